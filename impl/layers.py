@@ -1,0 +1,245 @@
+"""The decoder's layers, in dependency order, each owning its named parameters.
+
+Shapes use B (batch), T (tokens), d (model width), H (heads), hw (head width),
+f (feed-forward width) and V (vocabulary).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from impl import ops
+from impl.errors import BlockFailure, DecoderModelError, RmsZeroMeanSquare, TokenIdOutOfBounds
+from impl.tape import Array, Tensor
+
+__all__ = [
+    "CausalSelfAttention",
+    "DecoderBlock",
+    "Embedding",
+    "Linear",
+    "NamedParameter",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLU",
+    "first_out_of_range",
+]
+
+IndexArray = npt.NDArray[np.intp]
+
+
+@dataclass(frozen=True)
+class NamedParameter:
+    """A trainable leaf and its stable name."""
+
+    name: str
+    tensor: Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The leaf's shape."""
+        return self.tensor.shape
+
+
+def first_out_of_range(ids: npt.NDArray[Any], vocabulary_size: int) -> int | None:
+    """Flat position of the first ID outside ``[0, vocabulary_size)``, or None."""
+    flat = ids.reshape(-1)
+    outside = np.flatnonzero((flat < 0) | (flat >= vocabulary_size))
+    return int(outside[0]) if outside.size else None
+
+
+class Embedding:
+    """Token lookup: ``E[z]`` gathers one row of the ``[V, d]`` table per token ID."""
+
+    def __init__(self, weight: NamedParameter) -> None:
+        self.weight = weight
+
+    @property
+    def vocabulary_size(self) -> int:
+        """Rows of the table."""
+        return self.weight.shape[0]
+
+    def forward(self, ids: IndexArray) -> Tensor:
+        """``[B, T]`` IDs to ``[B, T, d]`` rows; refuses an ID outside ``[0, V)``."""
+        position = first_out_of_range(ids, self.vocabulary_size)
+        if position is not None:
+            raise TokenIdOutOfBounds(
+                position=position,
+                id=int(ids.reshape(-1)[position]),
+                vocabulary_size=self.vocabulary_size,
+            )
+        return ops.gather_rows(self.weight.tensor, ids)
+
+
+class Linear:
+    """Bias-free ``y = x @ W`` with ``W`` stored ``[in, out]``."""
+
+    def __init__(self, weight: NamedParameter) -> None:
+        self.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[..., in]`` to ``[..., out]``."""
+        return ops.matmul(x, self.weight.tensor)
+
+
+class RMSNorm:
+    """``x * exp(-0.5 log(mean(x^2) + eps)) * gain`` over the last axis.
+
+    The log/exp form of the inverse root is the recipe's, not ``1 / sqrt``: the two
+    differ in the last bit, and the published trace was computed with this one.
+    """
+
+    def __init__(self, gain: NamedParameter, epsilon: float) -> None:
+        self.gain = gain
+        self.epsilon = epsilon
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalize every row; with epsilon 0 an all-zero row is refused, not a NaN."""
+        mean_square = ops.mean(ops.mul(x, x), axis=-1)
+        if self.epsilon == 0.0:
+            zero_rows = np.flatnonzero(mean_square.value == 0.0)
+            if zero_rows.size:
+                raise RmsZeroMeanSquare(row=int(zero_rows[0]))
+        shifted = ops.add_constant(mean_square, self.epsilon)
+        inverse_root = ops.exp(ops.scale(ops.log(shifted), -0.5))
+        return ops.mul(ops.mul(x, inverse_root), self.gain.tensor)
+
+
+class RotaryEmbedding:
+    """RoPE on interleaved feature pairs, with cos/sin tables cached per position.
+
+    Tables grow on demand up to the longest sequence seen, so a huge context capacity
+    costs nothing until it is used.
+    """
+
+    def __init__(self, head_width: int, context: int, base: float) -> None:
+        self.head_width = head_width
+        self.context = context
+        self.base = base
+        pairs = head_width // 2
+        self.inverse_frequency: Array = base ** (
+            -2.0 * np.arange(pairs, dtype=np.float64) / head_width
+        )
+        self._cos: Array = np.empty((0, pairs))
+        self._sin: Array = np.empty((0, pairs))
+
+    def tables(self, end: int) -> tuple[Array, Array]:
+        """``cos`` and ``sin`` of every angle for positions ``0 .. end - 1``, ``[end, hw/2]``."""
+        if end > self._cos.shape[0]:
+            positions = np.arange(end, dtype=np.float64)[:, None]
+            angles = positions * self.inverse_frequency  # (end, hw/2)
+            self._cos, self._sin = np.cos(angles), np.sin(angles)
+        return self._cos[:end], self._sin[:end]
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """Rotate ``[..., T, hw]`` features at positions ``offset .. offset + T - 1``."""
+        end = offset + x.shape[-2]
+        cos, sin = self.tables(end)
+        return ops.rotary(x, cos[offset:end], sin[offset:end])
+
+
+class CausalSelfAttention:
+    """Multi-head causal self-attention with RoPE on queries and keys (never values)."""
+
+    def __init__(
+        self,
+        query: NamedParameter,
+        key: NamedParameter,
+        value: NamedParameter,
+        output: NamedParameter,
+        *,
+        heads: int,
+        rope: RotaryEmbedding,
+    ) -> None:
+        self.query = Linear(query)
+        self.key = Linear(key)
+        self.value = Linear(value)
+        self.output = Linear(output)
+        self.heads = heads
+        self.rope = rope
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        batch, tokens, width = x.shape
+        per_head = ops.reshape(x, (batch, tokens, self.heads, width // self.heads))  # (B,T,H,hw)
+        return ops.transpose(per_head, 1, 2)  # (B, H, T, hw)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """``[B, T, d]`` to ``[B, T, d]``; position ``t`` attends to keys ``0 .. t``."""
+        batch, tokens, width = x.shape
+        query = self.rope.forward(self._split_heads(self.query.forward(x)), offset)
+        key = self.rope.forward(self._split_heads(self.key.forward(x)), offset)
+        value = self._split_heads(self.value.forward(x))
+        head_width = width // self.heads
+        scores = ops.divide(
+            ops.matmul(query, ops.transpose(key, 2, 3)), math.sqrt(head_width)
+        )  # (B, H, T, T)
+        weights = ops.causal_softmax(scores)
+        mixed = ops.matmul(weights, value)  # (B, H, T, hw)
+        merged = ops.reshape(ops.transpose(mixed, 1, 2), (batch, tokens, width))  # (B, T, d)
+        return self.output.forward(merged)
+
+
+class SwiGLU:
+    """``down(silu(x @ W_gate) * (x @ W_up))``."""
+
+    def __init__(self, gate: NamedParameter, up: NamedParameter, down: NamedParameter) -> None:
+        self.gate = Linear(gate)
+        self.up = Linear(up)
+        self.down = Linear(down)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[..., d]`` to ``[..., d]`` through a hidden width ``f``."""
+        hidden = ops.mul(ops.silu(self.gate.forward(x)), self.up.forward(x))  # (..., f)
+        return self.down.forward(hidden)
+
+
+class DecoderBlock:
+    """Pre-normalized block: ``h = x + attn(norm(x))``, ``y = h + ffn(norm(h))``."""
+
+    def __init__(
+        self,
+        layer: int,
+        attention_norm: RMSNorm,
+        attention: CausalSelfAttention,
+        ffn_norm: RMSNorm,
+        ffn: SwiGLU,
+    ) -> None:
+        self.layer = layer
+        self.attention_norm = attention_norm
+        self.attention = attention
+        self.ffn_norm = ffn_norm
+        self.ffn = ffn
+
+    def parameters(self) -> list[NamedParameter]:
+        """The block's nine parameters in the stable order."""
+        attention = self.attention
+        return [
+            self.attention_norm.gain,
+            attention.query.weight,
+            attention.key.weight,
+            attention.value.weight,
+            attention.output.weight,
+            self.ffn_norm.gain,
+            self.ffn.gate.weight,
+            self.ffn.up.weight,
+            self.ffn.down.weight,
+        ]
+
+    def _normalize(self, norm: RMSNorm, x: Tensor, component: str) -> Tensor:
+        try:
+            return norm.forward(x)
+        except DecoderModelError as error:
+            raise BlockFailure(source=error, layer=self.layer, component=component) from error
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """``[B, T, d]`` to ``[B, T, d]``."""
+        attended = self.attention.forward(
+            self._normalize(self.attention_norm, x, "attention RMSNorm"), offset
+        )
+        hidden = ops.add(x, attended)
+        fed = self.ffn.forward(self._normalize(self.ffn_norm, hidden, "feed-forward RMSNorm"))
+        return ops.add(hidden, fed)

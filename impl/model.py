@@ -1,0 +1,430 @@
+"""The tied decoder: lookup, N pre-norm causal blocks, final RMSNorm, and ``E^T``.
+
+``logits = RMSNorm(B_N(... B_1(E[z]) ...)) @ E^T``: the head is the transpose of the one
+``token_embedding.weight`` leaf, so backward adds the lookup-role and output-role
+gradients on that leaf. There is no ``lm_head`` and no bias anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from impl import ops
+from impl.errors import (
+    ConfigFieldType,
+    ContextLengthExceeded,
+    DecoderModelError,
+    EmptyBatch,
+    EmptyTokens,
+    EmptyVocabulary,
+    FinalNormFailure,
+    InvalidRmsEpsilon,
+    InvalidRopeBase,
+    ModelWidthNotDivisible,
+    OddHeadWidth,
+    ParameterAllocationFailed,
+    ParameterCountMismatch,
+    ParameterDtype,
+    ParameterNameMismatch,
+    ParameterNotFinite,
+    ParameterShapeMismatch,
+    TargetCountMismatch,
+    TargetDtype,
+    TargetIdOutOfBounds,
+    TokenCountMismatch,
+    TokenCountOverflow,
+    TokenDtype,
+    TokenIdOutOfBounds,
+    TokenRank,
+    ZeroContextCapacity,
+    ZeroFeedForwardWidth,
+    ZeroHeadCount,
+    ZeroModelWidth,
+)
+from impl.layers import (
+    CausalSelfAttention,
+    DecoderBlock,
+    Embedding,
+    NamedParameter,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    first_out_of_range,
+)
+from impl.tape import Array, Tensor
+from spec.config import DecoderConfig
+from spec.parameters import parameter_count, parameter_layout, tensor_count
+from spec.recipe import SplitMix64, initial_parameters
+
+__all__ = [
+    "MAX_PARAMETER_SCALARS",
+    "DecoderModel",
+    "ForwardResult",
+    "validate_config",
+]
+
+IndexArray = npt.NDArray[np.intp]
+ParameterEntry = NamedParameter | tuple[str, npt.ArrayLike]
+
+# 2**31 float64 scalars are 16 GiB; anything larger is refused before allocating.
+MAX_PARAMETER_SCALARS = 2**31
+_MAX_INDEX = int(np.iinfo(np.intp).max)
+_INTEGER_FIELDS = (
+    "vocabulary_size",
+    "model_width",
+    "heads",
+    "feed_forward_width",
+    "layers",
+    "context",
+)
+_REAL_FIELDS = ("rope_base", "rms_epsilon")
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def validate_config(config: DecoderConfig) -> None:
+    """Refuse the first invalid field, in the recipe's order, even when ``layers == 0``."""
+    if not isinstance(config, DecoderConfig):
+        raise ConfigFieldType(field="config", expected="a DecoderConfig", actual=config)
+    for field in _INTEGER_FIELDS:
+        value = getattr(config, field)
+        if not _is_integer(value) or value < 0:
+            raise ConfigFieldType(field=field, expected="a non-negative integer", actual=value)
+    for field in _REAL_FIELDS:
+        value = getattr(config, field)
+        if isinstance(value, bool | np.bool_) or not isinstance(
+            value, int | float | np.integer | np.floating
+        ):
+            raise ConfigFieldType(field=field, expected="a real number", actual=value)
+    if config.vocabulary_size == 0:
+        raise EmptyVocabulary()
+    if config.model_width == 0:
+        raise ZeroModelWidth()
+    if config.heads == 0:
+        raise ZeroHeadCount()
+    if config.model_width % config.heads:
+        raise ModelWidthNotDivisible(model_width=config.model_width, heads=config.heads)
+    if config.head_width % 2:
+        raise OddHeadWidth(head_width=config.head_width)
+    if config.feed_forward_width == 0:
+        raise ZeroFeedForwardWidth()
+    if config.context == 0:
+        raise ZeroContextCapacity()
+    if not math.isfinite(config.rope_base) or config.rope_base <= 0:
+        raise InvalidRopeBase(value=config.rope_base)
+    if not math.isfinite(config.rms_epsilon) or config.rms_epsilon < 0:
+        raise InvalidRmsEpsilon(value=config.rms_epsilon)
+
+
+def _integer_array(values: object) -> npt.NDArray[np.generic] | None:
+    """``values`` as an array, or None when it is ragged or otherwise not array-like."""
+    try:
+        return np.asarray(values)
+    except (ValueError, TypeError):
+        return None
+
+
+def _has_integer_ids(array: npt.NDArray[np.generic]) -> bool:
+    # An empty Python list arrives as float64; it holds no non-integer ID.
+    return array.dtype.kind in "iu" or array.size == 0
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """Every stage of one forward pass, and the two table nodes the pass used."""
+
+    embedding: Tensor
+    blocks: list[Tensor]
+    final_norm: Tensor
+    logits: Tensor
+    lookup_table: Tensor
+    head_table: Tensor
+
+    def stages(self) -> list[tuple[str, Tensor]]:
+        """The residual-stream stages by name: embedding, block-i, final-norm."""
+        named = [("embedding", self.embedding)]
+        named.extend((f"block-{layer}", block) for layer, block in enumerate(self.blocks))
+        named.append(("final-norm", self.final_norm))
+        return named
+
+
+class DecoderModel:
+    """A tied-embedding decoder-only transformer over float64 numpy arrays.
+
+    Build one with :meth:`from_seed`, :meth:`initialize` or :meth:`from_parameters`.
+    """
+
+    def __init__(self, config: DecoderConfig, parameters: Sequence[NamedParameter]) -> None:
+        """Assemble components over already validated leaves (use the class methods)."""
+        self.config = config
+        self.token_embedding = Embedding(parameters[0])
+        rope = RotaryEmbedding(config.head_width, config.context, float(config.rope_base))
+        epsilon = float(config.rms_epsilon)
+        self.blocks: list[DecoderBlock] = []
+        for layer in range(config.layers):
+            start = 1 + 9 * layer
+            p = parameters[start : start + 9]
+            self.blocks.append(
+                DecoderBlock(
+                    layer,
+                    RMSNorm(p[0], epsilon),
+                    CausalSelfAttention(p[1], p[2], p[3], p[4], heads=config.heads, rope=rope),
+                    RMSNorm(p[5], epsilon),
+                    SwiGLU(p[6], p[7], p[8]),
+                )
+            )
+        self.final_norm = RMSNorm(parameters[-1], epsilon)
+        self._parameters = [self.token_embedding.weight]
+        for block in self.blocks:
+            self._parameters.extend(block.parameters())
+        self._parameters.append(self.final_norm.gain)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_seed(cls, config: DecoderConfig, seed: int) -> DecoderModel:
+        """Initial parameters for ``(config, seed)`` by the SplitMix64/Xavier recipe."""
+        return cls.initialize(config, SplitMix64(seed))
+
+    @classmethod
+    def initialize(cls, config: DecoderConfig, stream: SplitMix64) -> DecoderModel:
+        """Draw every matrix from ``stream``; on any failure the stream is left untouched."""
+        validate_config(config)
+        scalars = parameter_count(config)
+        if scalars > MAX_PARAMETER_SCALARS:
+            raise ParameterAllocationFailed(scalars=scalars, limit=MAX_PARAMETER_SCALARS)
+        trial = stream.clone()
+        try:
+            drawn = initial_parameters(config, trial)
+        except MemoryError as error:
+            raise ParameterAllocationFailed(scalars=scalars, limit=MAX_PARAMETER_SCALARS) from error
+        model = cls(
+            config,
+            [NamedParameter(name, Tensor(value, requires_grad=True)) for name, value in drawn],
+        )
+        stream.adopt(trial)
+        return model
+
+    @classmethod
+    def from_parameters(
+        cls,
+        config: DecoderConfig,
+        parameters: Mapping[str, npt.ArrayLike] | Sequence[ParameterEntry],
+    ) -> DecoderModel:
+        """Rebuild from a stable-order named parameter list, copying every value.
+
+        Checked in order: configuration; tensor count; the name at each index; each
+        tensor's shape; its dtype (real numbers); its values (finite).
+        """
+        validate_config(config)
+        entries = list(parameters.items()) if isinstance(parameters, Mapping) else list(parameters)
+        layout = parameter_layout(config)
+        if len(entries) != len(layout):
+            raise ParameterCountMismatch(expected=tensor_count(config.layers), actual=len(entries))
+        named: list[tuple[str, object]] = []
+        for index, (entry, (expected_name, _)) in enumerate(zip(entries, layout, strict=True)):
+            name, value = _split_entry(entry)
+            if name != expected_name:
+                raise ParameterNameMismatch(
+                    index=index, expected=expected_name, actual=name if name is not None else entry
+                )
+            named.append((expected_name, value))
+        arrays: list[npt.NDArray[np.generic]] = []
+        for index, ((name, value), (_, shape)) in enumerate(zip(named, layout, strict=True)):
+            array = _integer_array(value)
+            if array is None:
+                raise ParameterDtype(index=index, name=name, dtype="ragged or non-numeric sequence")
+            if array.shape != shape:
+                raise ParameterShapeMismatch(
+                    index=index, name=name, expected=shape, actual=array.shape
+                )
+            arrays.append(array)
+        for index, ((name, _), array) in enumerate(zip(named, arrays, strict=True)):
+            if array.dtype.kind not in "iuf":
+                raise ParameterDtype(index=index, name=name, dtype=str(array.dtype))
+        for index, ((name, _), array) in enumerate(zip(named, arrays, strict=True)):
+            values = array.astype(np.float64, copy=False)
+            bad = np.flatnonzero(~np.isfinite(values))
+            if bad.size:
+                position = int(bad[0])
+                raise ParameterNotFinite(
+                    index=index,
+                    name=name,
+                    position=position,
+                    value=float(values.reshape(-1)[position]),
+                )
+        return cls(
+            config,
+            [
+                NamedParameter(name, Tensor(array, requires_grad=True))
+                for (name, _), array in zip(named, arrays, strict=True)
+            ],
+        )
+
+    # ------------------------------------------------------------------- inspection
+    def parameters(self) -> list[NamedParameter]:
+        """Every parameter in the stable order (2 + 9N tensors)."""
+        return list(self._parameters)
+
+    def parameter_names(self) -> list[str]:
+        """The stable name list."""
+        return [parameter.name for parameter in self._parameters]
+
+    def parameter_count(self) -> int:
+        """Scalars owned by the model (the tied table counted once)."""
+        return sum(parameter.tensor.value.size for parameter in self._parameters)
+
+    def state(self) -> list[tuple[str, Array]]:
+        """``(name, copy of value)`` pairs that :meth:`from_parameters` accepts."""
+        return [(p.name, p.tensor.value.copy()) for p in self._parameters]
+
+    def gradients(self) -> dict[str, Array | None]:
+        """The accumulated gradient of every parameter (None where nothing reached it)."""
+        return {
+            p.name: None if p.tensor.grad is None else p.tensor.grad.copy()
+            for p in self._parameters
+        }
+
+    def zero_grad(self) -> None:
+        """Forget every accumulated gradient."""
+        for parameter in self._parameters:
+            parameter.tensor.zero_grad()
+
+    @property
+    def tied_embedding(self) -> NamedParameter:
+        """The one table used for both lookup and the vocabulary projection."""
+        return self.token_embedding.weight
+
+    # ---------------------------------------------------------------------- running
+    def validate_tokens(
+        self, tokens: npt.ArrayLike, shape: Sequence[int] | None = None
+    ) -> IndexArray:
+        """The ``[B, T]`` index array for ``tokens``, or the first rule it breaks.
+
+        ``tokens`` is a ``[B, T]`` array, or flat IDs with an explicit ``shape``.
+        Order: dtype; rank; batch; tokens; context; B*T overflow; ID count; ID range.
+        """
+        array = _integer_array(tokens)
+        if array is None:
+            raise TokenDtype(
+                what="token IDs", expected="an integer array", actual="a ragged sequence"
+            )
+        if not _has_integer_ids(array):
+            raise TokenDtype(
+                what="token IDs", expected="an integer array", actual=f"dtype {array.dtype}"
+            )
+        if shape is None:
+            dims: tuple[int, ...] = tuple(array.shape)
+        else:
+            if not all(_is_integer(size) and size >= 0 for size in shape):
+                raise TokenDtype(
+                    what="token shape", expected="non-negative integers", actual=repr(tuple(shape))
+                )
+            dims = tuple(int(size) for size in shape)
+        if len(dims) != 2:
+            raise TokenRank(rank=len(dims))
+        batch, length = dims
+        if batch == 0:
+            raise EmptyBatch()
+        if length == 0:
+            raise EmptyTokens()
+        if length > self.config.context:
+            raise ContextLengthExceeded(tokens=length, context=self.config.context)
+        if batch * length > _MAX_INDEX:
+            raise TokenCountOverflow(batch=batch, tokens=length)
+        if array.size != batch * length:
+            raise TokenCountMismatch(expected=batch * length, actual=int(array.size))
+        flat = array.reshape(-1)
+        position = first_out_of_range(flat, self.config.vocabulary_size)
+        if position is not None:
+            raise TokenIdOutOfBounds(
+                position=position,
+                id=int(flat[position]),
+                vocabulary_size=self.config.vocabulary_size,
+            )
+        return flat.astype(np.intp).reshape(batch, length)
+
+    def validate_targets(self, targets: npt.ArrayLike, batch: int, length: int) -> IndexArray:
+        """The flat target indices, or the first rule they break (dtype, count, range)."""
+        array = _integer_array(targets)
+        if array is None:
+            raise TargetDtype(expected="an integer array", actual="a ragged sequence")
+        if not _has_integer_ids(array):
+            raise TargetDtype(expected="an integer array", actual=f"dtype {array.dtype}")
+        expected = batch * length
+        if array.shape not in ((expected,), (batch, length)):
+            raise TargetCountMismatch(
+                expected=expected, actual=int(array.size), shape=tuple(array.shape)
+            )
+        flat = array.reshape(-1)
+        position = first_out_of_range(flat, self.config.vocabulary_size)
+        if position is not None:
+            raise TargetIdOutOfBounds(
+                position=position,
+                id=int(flat[position]),
+                vocabulary_size=self.config.vocabulary_size,
+            )
+        return flat.astype(np.intp)
+
+    def forward(
+        self,
+        tokens: npt.ArrayLike,
+        shape: Sequence[int] | None = None,
+        *,
+        detach_lookup: bool = False,
+        detach_head: bool = False,
+    ) -> ForwardResult:
+        """Every stage for ``[B, T]`` token IDs; logits are ``[B, T, V]``.
+
+        ``detach_lookup`` / ``detach_head`` cut one use of the tied table off the tape,
+        so each role's gradient contribution can be measured on its own.
+        """
+        ids = self.validate_tokens(tokens, shape)
+        return self._forward(ids, detach_lookup=detach_lookup, detach_head=detach_head)
+
+    def _forward(self, ids: IndexArray, *, detach_lookup: bool, detach_head: bool) -> ForwardResult:
+        table = self.token_embedding.weight.tensor
+        lookup_table = table.detach() if detach_lookup else table
+        head_table = table.detach() if detach_head else table
+        embedding = ops.gather_rows(lookup_table, ids)  # (B, T, d)
+        hidden = embedding
+        block_outputs: list[Tensor] = []
+        for block in self.blocks:
+            hidden = block.forward(hidden, offset=0)  # (B, T, d)
+            block_outputs.append(hidden)
+        try:
+            normalized = self.final_norm.forward(hidden)  # (B, T, d)
+        except DecoderModelError as error:
+            raise FinalNormFailure(source=error) from error
+        logits = ops.matmul(normalized, ops.transpose(head_table, 0, 1))  # (B, T, V)
+        return ForwardResult(embedding, block_outputs, normalized, logits, lookup_table, head_table)
+
+    def loss(
+        self,
+        tokens: npt.ArrayLike,
+        targets: npt.ArrayLike,
+        shape: Sequence[int] | None = None,
+        *,
+        detach_lookup: bool = False,
+        detach_head: bool = False,
+    ) -> Tensor:
+        """Mean over all B*T positions of ``-log softmax(logits[b, t])[targets[b, t]]``."""
+        ids = self.validate_tokens(tokens, shape)
+        target_ids = self.validate_targets(targets, *ids.shape)
+        result = self._forward(ids, detach_lookup=detach_lookup, detach_head=detach_head)
+        return ops.indexed_mean_nll(result.logits, target_ids)
+
+
+def _split_entry(entry: object) -> tuple[str | None, object]:
+    """``(name, value)`` of one parameter-list entry; name None when it has none."""
+    if isinstance(entry, NamedParameter):
+        return entry.name, entry.tensor.value
+    if isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], str):
+        return entry[0], entry[1]
+    return None, None
