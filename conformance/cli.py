@@ -1,0 +1,199 @@
+"""The ``decoder-conformance`` command line.
+
+Subcommands import what they need when they run, so ``--help`` stays fast and a
+missing optional extra breaks only the subcommand that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from spec.config import FIXTURE
+
+__all__ = ["CommandLineError", "main"]
+
+PROGRAM = "decoder-conformance"
+
+
+class CommandLineError(Exception):
+    """A problem with the command line, reported in one line with exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CommandLineError(f"{self.prog}: {message} (see --help)")
+
+
+def _id_rows(option: str, text: str) -> list[list[int]]:
+    """Parse ``"0,1,2;3,4,5"`` into rows of integer IDs."""
+    rows: list[list[int]] = []
+    for row_index, row_text in enumerate(text.split(";")):
+        row: list[int] = []
+        for item in (part.strip() for part in row_text.split(",")):
+            if not item and row_text.strip() == "":
+                continue
+            try:
+                row.append(int(item))
+            except ValueError:
+                raise CommandLineError(
+                    f"{PROGRAM} trace: {option}: row {row_index} has {item!r}, "
+                    'which is not an integer (expected rows like "0,1,2;3,4,5")'
+                ) from None
+        rows.append(row)
+    lengths = {len(row) for row in rows}
+    if len(lengths) > 1:
+        described = ", ".join(f"row {index} has {len(row)}" for index, row in enumerate(rows))
+        raise CommandLineError(
+            f"{PROGRAM} trace: {option}: every row needs the same number of IDs; {described}"
+        )
+    return rows
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def _real(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(
+        prog=PROGRAM,
+        description="Check tied-embedding decoder-only transformers against an executable spec.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+    commands.add_parser(
+        "report",
+        help="print the seed chapter's 14-line learner report, computed by the reference",
+        description="Run the seed fixture through the reference and print the learner report.",
+    )
+    trace = commands.add_parser(
+        "trace",
+        help="print the evidence record (DECODER_MODEL_TRACE_V1) for any configuration",
+        description=(
+            "Run the reference on a configuration (the seed fixture by default) and print the "
+            "evidence trace, or with --format json every stage, logit and gradient."
+        ),
+    )
+    fixture_config = FIXTURE.config
+    sizes = (
+        ("--vocab", "vocabulary_size", "vocabulary size V"),
+        ("--width", "model_width", "model width d"),
+        ("--heads", "heads", "attention heads"),
+        ("--ffn", "feed_forward_width", "SwiGLU hidden width f"),
+        ("--layers", "layers", "decoder blocks N"),
+        ("--context", "context", "context capacity (maximum positions)"),
+    )
+    for flag, field, text in sizes:
+        default = getattr(fixture_config, field)
+        trace.add_argument(
+            flag,
+            dest=field,
+            type=_non_negative_int,
+            default=default,
+            help=f"{text} (default {default})",
+        )
+    trace.add_argument(
+        "--rope-base",
+        dest="rope_base",
+        type=_real,
+        default=fixture_config.rope_base,
+        help=f"RoPE base (default {fixture_config.rope_base!r})",
+    )
+    trace.add_argument(
+        "--epsilon",
+        dest="rms_epsilon",
+        type=_real,
+        default=fixture_config.rms_epsilon,
+        help=f"RMSNorm epsilon (default {fixture_config.rms_epsilon!r})",
+    )
+    trace.add_argument(
+        "--seed",
+        type=_non_negative_int,
+        default=FIXTURE.seed,
+        help="SplitMix64 seed, 0 to 2**64-1 (default 32)",
+    )
+    trace.add_argument("--tokens", help='token IDs, rows separated by ";" (default "0,1,2")')
+    trace.add_argument("--targets", help='target IDs in the same form (default "1,2,3")')
+    trace.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="text: the evidence trace; json: stages, logits, loss and gradients",
+    )
+    return parser
+
+
+def _run_report() -> str:
+    from impl.evidence import collect_evidence
+    from impl.report import render_report
+
+    return render_report(collect_evidence(FIXTURE))
+
+
+def _run_trace(options: argparse.Namespace) -> str:
+    from impl.errors import DecoderModelError
+    from impl.evidence import collect_evidence, fixture_for, run_fixture
+    from impl.report import render_trace, trace_json
+    from spec.config import DecoderConfig
+
+    if options.tokens is not None and options.targets is None:
+        raise CommandLineError(
+            f"{PROGRAM} trace: --targets is required with --tokens (one target per token)"
+        )
+    if options.seed > 2**64 - 1:
+        raise CommandLineError(
+            f"{PROGRAM} trace: --seed must be at most 2**64-1, got {options.seed}"
+        )
+    config = DecoderConfig(
+        vocabulary_size=options.vocabulary_size,
+        model_width=options.model_width,
+        heads=options.heads,
+        feed_forward_width=options.feed_forward_width,
+        layers=options.layers,
+        context=options.context,
+        rope_base=options.rope_base,
+        rms_epsilon=options.rms_epsilon,
+    )
+    tokens = FIXTURE.tokens if options.tokens is None else _id_rows("--tokens", options.tokens)
+    targets = FIXTURE.targets if options.targets is None else _id_rows("--targets", options.targets)
+    fixture = fixture_for(config, options.seed, tokens, targets)
+    try:
+        if options.format == "json":
+            return trace_json(run_fixture(fixture))
+        return render_trace(collect_evidence(fixture))
+    except DecoderModelError as error:
+        raise CommandLineError(f"{PROGRAM} trace: {error} [{error.kind}]") from error
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = _build_parser()
+    try:
+        options = parser.parse_args(argv)
+        output = _run_report() if options.command == "report" else _run_trace(options)
+    except CommandLineError as error:
+        print(error, file=sys.stderr)
+        return 2
+    sys.stdout.write(output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
