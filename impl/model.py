@@ -123,7 +123,7 @@ def validate_config(config: DecoderConfig) -> None:
         raise InvalidRmsEpsilon(value=config.rms_epsilon)
 
 
-def _integer_array(values: object) -> npt.NDArray[np.generic] | None:
+def _as_array(values: object) -> npt.NDArray[np.generic] | None:
     """``values`` as an array, or None when it is ragged or otherwise not array-like."""
     try:
         return np.asarray(values)
@@ -131,9 +131,15 @@ def _integer_array(values: object) -> npt.NDArray[np.generic] | None:
         return None
 
 
-def _has_integer_ids(array: npt.NDArray[np.generic]) -> bool:
+def _integer_ids_problem(values: object) -> tuple[npt.NDArray[np.generic] | None, str | None]:
+    """``values`` as an integer array, or what is wrong with it ("a ragged sequence", ...)."""
+    array = _as_array(values)
+    if array is None:
+        return None, "a ragged sequence"
     # An empty Python list arrives as float64; it holds no non-integer ID.
-    return array.dtype.kind in "iu" or array.size == 0
+    if array.dtype.kind not in "iu" and array.size:
+        return None, f"dtype {array.dtype}"
+    return array, None
 
 
 @dataclass(frozen=True)
@@ -237,7 +243,7 @@ class DecoderModel:
             named.append((expected_name, value))
         arrays: list[npt.NDArray[np.generic]] = []
         for index, ((name, value), (_, shape)) in enumerate(zip(named, layout, strict=True)):
-            array = _integer_array(value)
+            array = _as_array(value)
             if array is None:
                 raise ParameterDtype(index=index, name=name, dtype="ragged or non-numeric sequence")
             if array.shape != shape:
@@ -310,15 +316,9 @@ class DecoderModel:
         ``tokens`` is a ``[B, T]`` array, or flat IDs with an explicit ``shape``.
         Order: dtype; rank; batch; tokens; context; B*T overflow; ID count; ID range.
         """
-        array = _integer_array(tokens)
+        array, problem = _integer_ids_problem(tokens)
         if array is None:
-            raise TokenDtype(
-                what="token IDs", expected="an integer array", actual="a ragged sequence"
-            )
-        if not _has_integer_ids(array):
-            raise TokenDtype(
-                what="token IDs", expected="an integer array", actual=f"dtype {array.dtype}"
-            )
+            raise TokenDtype(what="token IDs", expected="an integer array", actual=str(problem))
         if shape is None:
             dims: tuple[int, ...] = tuple(array.shape)
         else:
@@ -352,11 +352,9 @@ class DecoderModel:
 
     def validate_targets(self, targets: npt.ArrayLike, batch: int, length: int) -> IndexArray:
         """The flat target indices, or the first rule they break (dtype, count, range)."""
-        array = _integer_array(targets)
+        array, problem = _integer_ids_problem(targets)
         if array is None:
-            raise TargetDtype(expected="an integer array", actual="a ragged sequence")
-        if not _has_integer_ids(array):
-            raise TargetDtype(expected="an integer array", actual=f"dtype {array.dtype}")
+            raise TargetDtype(expected="an integer array", actual=str(problem))
         expected = batch * length
         if array.shape not in ((expected,), (batch, length)):
             raise TargetCountMismatch(
