@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from spec.config import FIXTURE
@@ -83,6 +83,17 @@ def _build_parser() -> _Parser:
         help="print the seed chapter's 14-line learner report, computed by the reference",
         description="Run the seed fixture through the reference and print the learner report.",
     )
+    rules = commands.add_parser(
+        "rules",
+        help="list every rule of the specification (ID, category, statement, source)",
+        description="List the rules a conforming implementation must satisfy.",
+    )
+    rules.add_argument(
+        "--format",
+        choices=("table", "json"),
+        default="table",
+        help="table: aligned text for people; json: one object for machines",
+    )
     trace = commands.add_parser(
         "trace",
         help="print the evidence record (DECODER_MODEL_TRACE_V1) for any configuration",
@@ -140,11 +151,32 @@ def _build_parser() -> _Parser:
     return parser
 
 
-def _run_report() -> str:
+def _run_report(options: argparse.Namespace) -> str:
     from impl.evidence import collect_evidence
     from impl.report import render_report
 
     return render_report(collect_evidence(FIXTURE))
+
+
+def _run_rules(options: argparse.Namespace) -> str:
+    import json
+
+    from spec.rules import RULES
+
+    if options.format == "json":
+        listed = [
+            {"id": r.id, "category": str(r.category), "statement": r.statement, "source": r.source}
+            for r in RULES
+        ]
+        return json.dumps({"rules": listed}, indent=2) + "\n"
+    id_width = max(len(r.id) for r in RULES)
+    category_width = max(len(str(r.category)) for r in RULES)
+    lines = [f"{'ID':<{id_width}}  {'CATEGORY':<{category_width}}  STATEMENT"]
+    lines.extend(
+        f"{r.id:<{id_width}}  {r.category!s:<{category_width}}  {r.statement}" for r in RULES
+    )
+    lines.append(f"{len(RULES)} rules")
+    return "\n".join(lines) + "\n"
 
 
 def _run_trace(options: argparse.Namespace) -> str:
@@ -182,12 +214,19 @@ def _run_trace(options: argparse.Namespace) -> str:
         raise CommandLineError(f"{PROGRAM} trace: {error} [{error.kind}]") from error
 
 
+_COMMANDS: dict[str, Callable[[argparse.Namespace], str]] = {
+    "report": _run_report,
+    "rules": _run_rules,
+    "trace": _run_trace,
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = _build_parser()
     try:
         options = parser.parse_args(argv)
-        output = _run_report() if options.command == "report" else _run_trace(options)
+        output = _COMMANDS[options.command](options)
     except CommandLineError as error:
         print(error, file=sys.stderr)
         return 2

@@ -88,12 +88,18 @@ def _xavier(stream: SplitMix64, fan_in: int, fan_out: int) -> FloatArray:
     return (limit * (2.0 * units - 1.0)).reshape(fan_in, fan_out)
 
 
-def initial_parameters(config: DecoderConfig, stream: SplitMix64) -> list[tuple[str, FloatArray]]:
+def initial_parameters(
+    config: DecoderConfig, stream: SplitMix64 | int
+) -> list[tuple[str, FloatArray]]:
     """Initial named parameters for ``config``, drawing matrices from ``stream`` in order.
+
+    ``stream`` may be a seed, which starts a fresh stream.
 
     Gains are ones and draw nothing; matrices are Xavier-uniform ``[fan_in, fan_out]`` filled
     row-major. The configuration is assumed valid; the stream advances by the matrix scalars.
     """
+    if not isinstance(stream, SplitMix64):
+        stream = SplitMix64(stream)
     parameters: list[tuple[str, FloatArray]] = []
     for name, shape in parameter_layout(config):
         if len(shape) == 1:

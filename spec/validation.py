@@ -1,0 +1,217 @@
+"""The expected refusal for any input: which error kind comes first, and with what values.
+
+These are the spec's own statements of the validation order in RECIPE.md, written as
+ordered tables of checks. They are independent of any implementation, which is why a
+backend (the reference included) can be judged against them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from spec.config import DecoderConfig
+from spec.errors import ErrorKind
+from spec.parameters import parameter_layout
+
+__all__ = [
+    "MAX_INDEX",
+    "Violation",
+    "config_violation",
+    "loss_violation",
+    "rebuild_violation",
+    "token_violation",
+]
+
+# The largest flat index (a signed 64-bit size); B*T beyond it overflows.
+MAX_INDEX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Violation:
+    """The first rule an input breaks: its kind and the values a message should name."""
+
+    kind: ErrorKind
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+        value, bool | np.bool_
+    )
+
+
+# Checked in this order once every field has the right type (RECIPE.md).
+_CONFIG_CHECKS: tuple[tuple[ErrorKind, Callable[[DecoderConfig], bool]], ...] = (
+    (ErrorKind.EMPTY_VOCABULARY, lambda c: c.vocabulary_size == 0),
+    (ErrorKind.ZERO_MODEL_WIDTH, lambda c: c.model_width == 0),
+    (ErrorKind.ZERO_HEAD_COUNT, lambda c: c.heads == 0),
+    (ErrorKind.MODEL_WIDTH_NOT_DIVISIBLE, lambda c: c.model_width % c.heads != 0),
+    (ErrorKind.ODD_HEAD_WIDTH, lambda c: (c.model_width // c.heads) % 2 != 0),
+    (ErrorKind.ZERO_FEED_FORWARD_WIDTH, lambda c: c.feed_forward_width == 0),
+    (ErrorKind.ZERO_CONTEXT_CAPACITY, lambda c: c.context == 0),
+    (ErrorKind.INVALID_ROPE_BASE, lambda c: not (math.isfinite(c.rope_base) and c.rope_base > 0)),
+    (
+        ErrorKind.INVALID_RMS_EPSILON,
+        lambda c: not (math.isfinite(c.rms_epsilon) and c.rms_epsilon >= 0),
+    ),
+)
+_SIZE_FIELDS = (
+    "vocabulary_size",
+    "model_width",
+    "heads",
+    "feed_forward_width",
+    "layers",
+    "context",
+)
+_REAL_FIELDS = ("rope_base", "rms_epsilon")
+
+
+def config_violation(config: DecoderConfig) -> Violation | None:
+    """The first configuration rule ``config`` breaks, or None; depth 0 is no exemption."""
+    for name in _SIZE_FIELDS:
+        value = getattr(config, name)
+        if not _is_size(value) or value < 0:
+            return Violation(ErrorKind.CONFIG_FIELD_TYPE, {"field": name, "actual": value})
+    for name in _REAL_FIELDS:
+        value = getattr(config, name)
+        if not _is_real(value):
+            return Violation(ErrorKind.CONFIG_FIELD_TYPE, {"field": name, "actual": value})
+    for kind, broken in _CONFIG_CHECKS:
+        if broken(config):
+            return Violation(kind)
+    return None
+
+
+def _first_outside(ids: np.ndarray[Any, Any], vocabulary_size: int) -> int | None:
+    flat = ids.reshape(-1)
+    bad = np.flatnonzero((flat < 0) | (flat >= vocabulary_size))
+    return int(bad[0]) if bad.size else None
+
+
+def _integer_array(values: object) -> np.ndarray[Any, Any] | None:
+    try:
+        array = np.asarray(values)
+    except (ValueError, TypeError):
+        return None
+    if array.dtype.kind not in "iu" and array.size:
+        return None
+    return array
+
+
+def token_violation(
+    config: DecoderConfig, tokens: object, shape: Sequence[int] | None = None
+) -> Violation | None:
+    """The first token rule broken: dtype, rank, batch, length, context, overflow, count, ID."""
+    array = _integer_array(tokens)
+    if array is None:
+        return Violation(ErrorKind.TOKEN_DTYPE)
+    if shape is not None and not all(_is_size(size) and size >= 0 for size in shape):
+        return Violation(ErrorKind.TOKEN_DTYPE, {"shape": tuple(shape)})
+    dims = tuple(array.shape) if shape is None else tuple(int(size) for size in shape)
+    if len(dims) != 2:
+        return Violation(ErrorKind.TOKEN_RANK, {"rank": len(dims)})
+    batch, length = dims
+    ordered: tuple[tuple[bool, ErrorKind, dict[str, Any]], ...] = (
+        (batch == 0, ErrorKind.EMPTY_BATCH, {}),
+        (length == 0, ErrorKind.EMPTY_TOKENS, {}),
+        (
+            length > config.context,
+            ErrorKind.CONTEXT_LENGTH_EXCEEDED,
+            {"tokens": length, "context": config.context},
+        ),
+        (
+            batch * length > MAX_INDEX,
+            ErrorKind.TOKEN_COUNT_OVERFLOW,
+            {"batch": batch, "tokens": length},
+        ),
+        (
+            array.size != batch * length,
+            ErrorKind.TOKEN_COUNT_MISMATCH,
+            {"expected": batch * length, "actual": int(array.size)},
+        ),
+    )
+    for broken, kind, details in ordered:
+        if broken:
+            return Violation(kind, details)
+    position = _first_outside(array, config.vocabulary_size)
+    if position is not None:
+        return Violation(
+            ErrorKind.TOKEN_ID_OUT_OF_BOUNDS,
+            {"position": position, "id": int(array.reshape(-1)[position])},
+        )
+    return None
+
+
+def loss_violation(
+    config: DecoderConfig, tokens: object, targets: object, shape: Sequence[int] | None = None
+) -> Violation | None:
+    """Every token rule first, then target dtype, target count, and the first bad target ID."""
+    token_problem = token_violation(config, tokens, shape)
+    if token_problem is not None:
+        return token_problem
+    batch, length = tuple(shape) if shape is not None else np.asarray(tokens).shape
+    array = _integer_array(targets)
+    if array is None:
+        return Violation(ErrorKind.TARGET_DTYPE)
+    expected = batch * length
+    if tuple(array.shape) not in ((expected,), (batch, length)):
+        return Violation(
+            ErrorKind.TARGET_COUNT_MISMATCH, {"expected": expected, "actual": int(array.size)}
+        )
+    position = _first_outside(array, config.vocabulary_size)
+    if position is not None:
+        return Violation(
+            ErrorKind.TARGET_ID_OUT_OF_BOUNDS,
+            {"position": position, "id": int(array.reshape(-1)[position])},
+        )
+    return None
+
+
+def rebuild_violation(
+    config: DecoderConfig, entries: Sequence[tuple[object, object]]
+) -> Violation | None:
+    """Configuration, tensor count, every name, every shape, every dtype, every value."""
+    problem = config_violation(config)
+    if problem is not None:
+        return problem
+    layout = parameter_layout(config)
+    if len(entries) != len(layout):
+        return Violation(
+            ErrorKind.PARAMETER_COUNT_MISMATCH, {"expected": len(layout), "actual": len(entries)}
+        )
+    for index, ((name, _), (expected, _)) in enumerate(zip(entries, layout, strict=True)):
+        if name != expected:
+            return Violation(
+                ErrorKind.PARAMETER_NAME_MISMATCH, {"index": index, "expected": expected}
+            )
+    arrays: list[np.ndarray[Any, Any]] = []
+    for index, ((_, value), (name, shape)) in enumerate(zip(entries, layout, strict=True)):
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError):
+            return Violation(ErrorKind.PARAMETER_DTYPE, {"index": index, "name": name})
+        if tuple(array.shape) != shape:
+            return Violation(
+                ErrorKind.PARAMETER_SHAPE_MISMATCH,
+                {"index": index, "expected": shape, "actual": tuple(array.shape)},
+            )
+        arrays.append(array)
+    for index, (array, (name, _)) in enumerate(zip(arrays, layout, strict=True)):
+        if array.dtype.kind not in "iuf":
+            return Violation(ErrorKind.PARAMETER_DTYPE, {"index": index, "name": name})
+    for index, array in enumerate(arrays):
+        bad = np.flatnonzero(~np.isfinite(array.astype(np.float64)))
+        if bad.size:
+            return Violation(
+                ErrorKind.PARAMETER_NOT_FINITE, {"index": index, "position": int(bad[0])}
+            )
+    return None

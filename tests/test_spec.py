@@ -1,0 +1,154 @@
+"""The specification against the seed's own worked answers, and its rule registry."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.cli import main
+from spec.config import FIXTURE, DecoderConfig
+from spec.errors import ErrorCategory, ErrorKind
+from spec.parameters import NAME_PATTERN, parameter_count, parameter_layout, parameter_names
+from spec.rules import RULES, RuleCategory, rule, rules_in
+from spec.shapes import logits_shape, stage_shapes
+from spec.validation import config_violation, loss_violation, token_violation
+
+SPEC = Path(__file__).resolve().parent.parent / "spec"
+EXERCISE = DecoderConfig(
+    vocabulary_size=40, model_width=12, heads=2, feed_forward_width=32, layers=3, context=8
+)
+
+
+def test_fixture_counts() -> None:
+    assert parameter_count(FIXTURE.config) == 264
+    assert parameter_count(FIXTURE.config, tied=False) == 284
+
+
+def test_exercise_counts() -> None:
+    """V=40, d=12, f=32, N=3: 5748 tied scalars; an untied head adds 480."""
+    assert parameter_count(EXERCISE) == 5748
+    assert parameter_count(EXERCISE, tied=False) - parameter_count(EXERCISE) == 480
+
+
+def test_first_tenth_and_last_names_of_a_two_block_model() -> None:
+    names = parameter_names(FIXTURE.config)
+    assert (names[0], names[9], names[-1]) == (
+        "token_embedding.weight",
+        "blocks.0.ffn.down.weight",
+        "final_norm.gain",
+    )
+
+
+def test_names_follow_the_grammar_and_are_unique() -> None:
+    for layers in range(4):
+        names = parameter_names(DecoderConfig(5, 4, 2, 4, layers, 4))
+        assert len(names) == 2 + 9 * layers == len(set(names))
+        assert all(NAME_PATTERN.fullmatch(name) for name in names)
+        assert not any("bias" in name or "lm_head" in name for name in names)
+
+
+def test_layout_shapes_add_up_to_the_count() -> None:
+    layout = parameter_layout(EXERCISE)
+    total = 0
+    for _, shape in layout:
+        size = 1
+        for extent in shape:
+            size *= extent
+        total += size
+    assert total == parameter_count(EXERCISE)
+
+
+def test_exercise_shapes() -> None:
+    """B=2, T=6, d=12, V=40: every stage [2, 6, 12], logits [2, 6, 40]."""
+    config = DecoderConfig(
+        vocabulary_size=40, model_width=12, heads=3, feed_forward_width=32, layers=3, context=6
+    )
+    assert {shape for _, shape in stage_shapes(config, 2, 6)} == {(2, 6, 12)}
+    assert len(stage_shapes(config, 2, 6)) == 3 + 2
+    assert logits_shape(config, 2, 6) == (2, 6, 40)
+
+
+@pytest.mark.parametrize(
+    ("violation", "category"),
+    [
+        (lambda: config_violation(DecoderConfig(5, 4, 0, 4, 2, 4)), ErrorCategory.CONFIGURATION),
+        (lambda: token_violation(FIXTURE.config, [[0, 1, 2, 3, 4]]), ErrorCategory.CONTEXT),
+        (lambda: token_violation(FIXTURE.config, [[0, 1, 5]]), ErrorCategory.VOCABULARY_INPUT),
+        (lambda: loss_violation(FIXTURE.config, [[0, 1, 2]], [[1, 2]]), ErrorCategory.TARGET_SHAPE),
+    ],
+    ids=["zero-heads", "token-length-above-capacity", "token-id-V", "one-missing-target"],
+)
+def test_seed_examples_classify(violation, category: ErrorCategory) -> None:  # type: ignore[no-untyped-def]
+    found = violation()
+    assert found is not None and found.kind.category is category
+
+
+def test_every_error_kind_has_a_category() -> None:
+    assert all(isinstance(kind.category, ErrorCategory) for kind in ErrorKind)
+
+
+def test_rule_registry_is_well_formed() -> None:
+    ids = [entry.id for entry in RULES]
+    assert len(ids) == len(set(ids))
+    for entry in RULES:
+        assert re.fullmatch(r"[A-Z0-9]+(-[A-Z0-9]+)+", entry.id), entry.id
+        assert "\n" not in entry.statement and len(entry.statement) <= 140, entry.id
+        assert entry.statement.endswith("."), entry.id
+        assert entry.source, entry.id
+    assert all(rules_in(category) for category in RuleCategory)
+    for required in (
+        "SHAPE-LOGITS",
+        "PARAM-COUNT",
+        "TIE-SINGLE-LEAF",
+        "CAUSAL-PREFIX-BITWISE",
+        "ERR-CONFIG-ORDER",
+    ):
+        assert rule(required).id == required
+    with pytest.raises(KeyError, match="no rule 'NOPE'"):
+        rule("NOPE")
+
+
+def test_rules_command_lists_every_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rules"]) == 0
+    table = capsys.readouterr().out
+    assert all(entry.id in table and entry.statement in table for entry in RULES)
+    assert table.rstrip().endswith(f"{len(RULES)} rules")
+    assert main(["rules", "--format", "json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["rules"]
+    assert [item["id"] for item in listed] == [entry.id for entry in RULES]
+    assert set(listed[0]) == {"id", "category", "statement", "source"}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_spec_imports_no_implementation() -> None:
+    """Neither in its source nor at run time does spec reach impl or conformance."""
+    for path in sorted(SPEC.glob("*.py")):
+        for module in _imported_modules(path):
+            top = module.split(".")[0]
+            assert top not in {"impl", "conformance"}, f"{path.name} imports {module}"
+    probe = (
+        "import sys, importlib, pkgutil, spec\n"
+        "for info in pkgutil.iter_modules(spec.__path__):\n"
+        "    importlib.import_module('spec.' + info.name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('impl', 'conformance')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    )
+    assert loaded.stdout.strip() == "[]"
