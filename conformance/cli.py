@@ -64,6 +64,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_real(text: str) -> float:
+    value = _real(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
 def _real(text: str) -> float:
     try:
         return float(text)
@@ -82,6 +89,45 @@ def _build_parser() -> _Parser:
         "report",
         help="print the seed chapter's 14-line learner report, computed by the reference",
         description="Run the seed fixture through the reference and print the learner report.",
+    )
+    run = commands.add_parser(
+        "run",
+        help="check a backend against every rule and print a rule-by-rule table",
+        description=(
+            "Run the conformance suite (pytest --pyargs conformance) against a backend. "
+            "Exit status 0 only when no rule failed."
+        ),
+    )
+    run.add_argument(
+        "--adapter",
+        default=None,
+        help="registered adapter name or package.module:attribute "
+        "(default: $DECODER_CONFORMANCE_ADAPTER, else reference)",
+    )
+    run.add_argument(
+        "--profile",
+        choices=("ci", "default", "thorough"),
+        default="default",
+        help="hypothesis profile: ci (small, derandomized), default, thorough",
+    )
+    run.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    run.add_argument("--markdown", metavar="FILE", help="also write the report as Markdown")
+    run.add_argument("--xfails-file", metavar="FILE", help="expected failures of this backend")
+    run.add_argument("--backend-command", help="command that starts a subprocess backend")
+    run.add_argument(
+        "--backend-timeout", type=_positive_real, default=60.0, help="seconds per request (60)"
+    )
+    run.add_argument(
+        "-n",
+        "--workers",
+        type=_non_negative_int,
+        default=0,
+        help="run on N processes with pytest-xdist (0: in this process)",
+    )
+    run.add_argument(
+        "--pytest-args",
+        default="",
+        help='extra pytest arguments, quoted as one string (for example "-x -k tying")',
     )
     rules = commands.add_parser(
         "rules",
@@ -214,9 +260,66 @@ def _run_trace(options: argparse.Namespace) -> str:
         raise CommandLineError(f"{PROGRAM} trace: {error} [{error.kind}]") from error
 
 
+def _run_suite(options: argparse.Namespace) -> str:
+    """Run pytest on the installed suite; the plugin prints progress and the rule table."""
+    import json
+    import os
+    import shlex
+    import tempfile
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    import pytest
+
+    import conformance
+
+    if options.workers and find_spec("xdist") is None:
+        raise CommandLineError(
+            f"{PROGRAM} run: -n needs pytest-xdist (pip install 'decoder-conformance[test]')"
+        )
+    package_parent = Path(conformance.__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="decoder-conformance-") as scratch:
+        report_path = Path(options.json or Path(scratch) / "report.json")
+        arguments = [
+            # The user's own pytest configuration must not change what the suite checks.
+            "-c", os.devnull, "--rootdir", str(package_parent), "-p", "no:cacheprovider",
+            "--pyargs", "conformance", "-q",
+            "--conformance-profile", options.profile,
+            "--conformance-json", str(report_path),
+            "--backend-timeout", str(options.backend_timeout),
+        ]  # fmt: skip
+        for flag, value in (
+            ("--adapter", options.adapter),
+            ("--conformance-markdown", options.markdown),
+            ("--xfails-file", options.xfails_file),
+            ("--backend-command", options.backend_command),
+        ):
+            if value:
+                arguments += [flag, value]
+        if options.workers:
+            arguments += ["-n", str(options.workers)]
+        arguments += shlex.split(options.pytest_args)
+        status = pytest.main(arguments)
+        if status not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+            raise _SuiteExit(int(status))
+        summary = json.loads(report_path.read_text(encoding="utf-8"))["summary"]
+    if summary["failed"]:
+        raise _SuiteExit(1)
+    return ""
+
+
+class _SuiteExit(Exception):
+    """The suite ran and its verdict (or pytest's own failure) sets the exit status."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], str]] = {
     "report": _run_report,
     "rules": _run_rules,
+    "run": _run_suite,
     "trace": _run_trace,
 }
 
@@ -230,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandLineError as error:
         print(error, file=sys.stderr)
         return 2
+    except _SuiteExit as verdict:
+        return verdict.status
     sys.stdout.write(output)
     return 0
 

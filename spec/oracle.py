@@ -82,6 +82,12 @@ class OracleRun:
     logits: MpArray
     loss: Any | None
 
+    def mean_loss(self) -> Any:
+        """The loss as an ``mpf``; a ``ValueError`` when the run had no targets."""
+        if self.loss is None:
+            raise ValueError("this oracle run had no targets, so it has no loss")
+        return self.loss
+
 
 def _rms_norm(x: MpArray, gain: MpArray, epsilon: Any) -> MpArray:
     width = x.shape[-1]

@@ -8,7 +8,7 @@ bounds, checked when the strategy is created.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -205,18 +205,38 @@ def invalid_configs(
     return build()
 
 
+_TOKEN_CHOICES: dict[str, ErrorKind] = {
+    "dtype": ErrorKind.TOKEN_DTYPE,
+    "rank": ErrorKind.TOKEN_RANK,
+    "batch": ErrorKind.EMPTY_BATCH,
+    "empty": ErrorKind.EMPTY_TOKENS,
+    "context": ErrorKind.CONTEXT_LENGTH_EXCEEDED,
+    "count": ErrorKind.TOKEN_COUNT_MISMATCH,
+    "id": ErrorKind.TOKEN_ID_OUT_OF_BOUNDS,
+}
+
+
+def _choices(table: dict[str, ErrorKind], kinds: Collection[ErrorKind] | None) -> list[str]:
+    chosen = [name for name, kind in table.items() if kinds is None or kind in kinds]
+    if not chosen:
+        raise ValueError(f"kinds={sorted(kinds or [])} names none of {sorted(set(table.values()))}")
+    return chosen
+
+
 def invalid_token_inputs(
-    config: DecoderConfig,
-) -> st.SearchStrategy[tuple[object, tuple[int, int] | None, ErrorKind]]:
-    """``(tokens, explicit shape or None, expected kind)`` aimed at one token rule each."""
+    config: DecoderConfig, *, kinds: Collection[ErrorKind] | None = None
+) -> st.SearchStrategy[tuple[Any, tuple[int, int] | None, ErrorKind]]:
+    """``(tokens, explicit shape or None, expected kind)`` aimed at one token rule each.
+
+    ``kinds`` limits the rules aimed at (default: every token rule).
+    """
     vocabulary, context = config.vocabulary_size, config.context
+    choices = _choices(_TOKEN_CHOICES, kinds)
 
     @st.composite
-    def build(draw: st.DrawFn) -> tuple[object, tuple[int, int] | None, ErrorKind]:
+    def build(draw: st.DrawFn) -> tuple[Any, tuple[int, int] | None, ErrorKind]:
         valid = draw(token_batches(config))
-        choice = draw(
-            st.sampled_from(["dtype", "rank", "batch", "empty", "context", "count", "id"])
-        )
+        choice = draw(st.sampled_from(choices))
         if choice == "dtype":
             return valid.astype(np.float64), None, ErrorKind.TOKEN_DTYPE
         if choice == "rank":
@@ -250,14 +270,30 @@ def invalid_token_inputs(
     return build()
 
 
+_PARAMETER_CHOICES: dict[str, ErrorKind] = {
+    "missing": ErrorKind.PARAMETER_COUNT_MISMATCH,
+    "extra": ErrorKind.PARAMETER_COUNT_MISMATCH,
+    "renamed": ErrorKind.PARAMETER_NAME_MISMATCH,
+    "swapped": ErrorKind.PARAMETER_NAME_MISMATCH,
+    "misshaped": ErrorKind.PARAMETER_SHAPE_MISMATCH,
+    "non-finite": ErrorKind.PARAMETER_NOT_FINITE,
+}
+
+
 def perturbed_parameter_lists(
-    config: DecoderConfig, entries: Sequence[tuple[str, Any]]
+    config: DecoderConfig,
+    entries: Sequence[tuple[str, Any]],
+    *,
+    kinds: Collection[ErrorKind] | None = None,
 ) -> st.SearchStrategy[tuple[ParameterList, ErrorKind]]:
     """``(entries, expected kind)``: one tensor missing, added, renamed, swapped, misshaped,
     or holding a non-finite value."""
     layout = parameter_layout(config)
     if [name for name, _ in entries] != [name for name, _ in layout]:
         raise ValueError("entries must be a valid stable-order parameter list for config")
+    choices = _choices(_PARAMETER_CHOICES, kinds)
+    if choices == ["swapped"] and len(entries) < 2:
+        raise ValueError("a swap needs at least two tensors")
 
     @st.composite
     def build(draw: st.DrawFn) -> tuple[ParameterList, ErrorKind]:
@@ -266,9 +302,7 @@ def perturbed_parameter_lists(
         ]
         index = draw(st.integers(0, len(listed) - 1))
         name, value = listed[index]
-        choice = draw(
-            st.sampled_from(["missing", "extra", "renamed", "swapped", "misshaped", "non-finite"])
-        )
+        choice = draw(st.sampled_from(choices))
         if choice == "missing":
             del listed[index]
             return listed, ErrorKind.PARAMETER_COUNT_MISMATCH

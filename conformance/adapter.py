@@ -1,0 +1,241 @@
+"""The adapter protocol: the few things a backend provides so the suite can judge it.
+
+A backend is any object with the attributes and methods of :class:`Backend`. Subclass
+:class:`BackendBase` to get defaults for the optional parts. Arrays cross the boundary as
+numpy arrays; a refusal crosses it as :class:`Refusal`, which names a spec error kind.
+
+Capabilities say which optional parts exist. A rule that needs a missing capability is
+skipped, with the capability named; it is never silently passed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from importlib.metadata import entry_points
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from spec.config import DecoderConfig
+from spec.errors import ErrorKind
+from spec.recipe import SplitMix64
+from spec.tolerances import Precision
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Backend",
+    "BackendBase",
+    "BackendLoadError",
+    "BackendOptions",
+    "Capability",
+    "ForwardOutput",
+    "LossOutput",
+    "Refusal",
+    "call_build_seeded",
+    "call_initialize",
+    "load_backend",
+]
+
+ENTRY_POINT_GROUP = "decoder_conformance.adapters"
+
+FloatArray = npt.NDArray[np.float64]
+Parameters = Sequence[tuple[str, FloatArray]]
+
+
+class Capability(StrEnum):
+    """An optional part of the protocol; rules that need it are skipped without it."""
+
+    STAGES = "stages"  # forward returns every residual-stream stage, not only logits
+    GRADIENTS = "gradients"  # loss returns the gradient of every named parameter
+    TIED_ROLES = "tied-roles"  # loss can detach the lookup or the head use of the table
+    CONFIG_ERRORS = "config-errors"  # invalid configurations are refused with spec kinds
+    INPUT_ERRORS = "input-errors"  # invalid tokens and targets are refused with spec kinds
+    REBUILD_ERRORS = "rebuild-errors"  # invalid parameter lists are refused with spec kinds
+    SEEDED_INIT = "seeded-init"  # build_seeded(config, seed) follows the recipe
+    STREAM_INIT = "stream-init"  # initialize(config, stream) draws from a caller's stream
+
+
+class Refusal(Exception):
+    """A backend's refusal of an input, classified by spec error kind.
+
+    ``details`` carries the offending values a rule may check, by the attribute names of
+    :mod:`impl.errors` (for example ``position`` for an out-of-range ID).
+    """
+
+    def __init__(
+        self, kind: ErrorKind | str, message: str, details: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.kind = ErrorKind(kind)
+        self.message = message
+        self.details: dict[str, Any] = dict(details or {})
+
+    def __str__(self) -> str:
+        return f"{self.message} [{self.kind}]"
+
+
+@dataclass
+class ForwardOutput:
+    """What a forward pass returns: logits ``[B, T, V]`` and, with STAGES, every stage."""
+
+    logits: FloatArray
+    stages: list[tuple[str, FloatArray]] | None = None
+
+
+@dataclass
+class LossOutput:
+    """The mean loss and, with GRADIENTS, the gradient of every named parameter."""
+
+    loss: float
+    gradients: dict[str, FloatArray] | None = None
+
+
+@dataclass
+class BackendOptions:
+    """Settings the command line or pytest options pass to a backend factory."""
+
+    backend_command: str | None = None
+    timeout: float = 60.0
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the suite needs from an implementation.
+
+    Two optional methods complete it: ``build_seeded(config, seed)`` for SEEDED_INIT (a
+    model whose parameters follow the recipe for ``(config, seed)``), and
+    ``initialize(config, stream)`` for STREAM_INIT (draws from a caller's
+    :class:`spec.recipe.SplitMix64`, advancing it only on success).
+    """
+
+    name: str
+    version: str
+    precision: Precision
+    capabilities: frozenset[Capability]
+
+    def build(self, config: DecoderConfig, parameters: Parameters) -> Any:
+        """A model from a configuration and a stable-order named parameter list."""
+
+    def parameters(self, model: Any) -> list[tuple[str, FloatArray]]:
+        """The model's named parameters, in its own order, as float64 arrays."""
+
+    def forward(
+        self, model: Any, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
+    ) -> ForwardOutput:
+        """Logits (and stages) for ``[B, T]`` tokens, or flat IDs with an explicit shape."""
+
+    def loss(
+        self,
+        model: Any,
+        tokens: npt.ArrayLike,
+        targets: npt.ArrayLike,
+        *,
+        detach_lookup: bool = False,
+        detach_head: bool = False,
+    ) -> LossOutput:
+        """Mean NLL and fresh gradients (not accumulated across calls)."""
+
+
+class BackendBase:
+    """Defaults for the optional parts; subclasses set the attributes and the core methods."""
+
+    name = "unnamed"
+    version = "0"
+    precision = Precision.FLOAT64
+    capabilities: frozenset[Capability] = frozenset()
+
+    def build_seeded(self, config: DecoderConfig, seed: int) -> Any:
+        """Not supported unless the backend declares SEEDED_INIT."""
+        raise NotImplementedError(f"backend {self.name} does not declare {Capability.SEEDED_INIT}")
+
+    def initialize(self, config: DecoderConfig, stream: SplitMix64) -> Any:
+        """Not supported unless the backend declares STREAM_INIT."""
+        raise NotImplementedError(f"backend {self.name} does not declare {Capability.STREAM_INIT}")
+
+    def describe(self) -> str:
+        """One line naming the backend, its version, precision and capabilities."""
+        listed = ", ".join(sorted(self.capabilities)) or "none"
+        return f"{self.name} {self.version} ({self.precision}; capabilities: {listed})"
+
+
+def call_build_seeded(backend: Backend, config: DecoderConfig, seed: int) -> Any:
+    """``backend.build_seeded(config, seed)``, the optional method of SEEDED_INIT."""
+    method = getattr(backend, "build_seeded", None)
+    if method is None:
+        raise NotImplementedError(f"backend {backend.name} has no build_seeded method")
+    return method(config, seed)
+
+
+def call_initialize(backend: Backend, config: DecoderConfig, stream: SplitMix64) -> Any:
+    """``backend.initialize(config, stream)``, the optional method of STREAM_INIT."""
+    method = getattr(backend, "initialize", None)
+    if method is None:
+        raise NotImplementedError(f"backend {backend.name} has no initialize method")
+    return method(config, stream)
+
+
+class BackendLoadError(Exception):
+    """The named adapter cannot be found, imported or created."""
+
+
+def _registered() -> dict[str, str]:
+    return {point.name: point.value for point in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _import_target(target: str) -> object:
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise BackendLoadError(
+            f"adapter {target!r} must be a registered name or 'package.module:attribute'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise BackendLoadError(
+            f"adapter {target!r}: cannot import {module_name}: {error}"
+        ) from error
+    try:
+        found: object = module
+        for part in attribute.split("."):
+            found = getattr(found, part)
+    except AttributeError:
+        raise BackendLoadError(
+            f"adapter {target!r}: {module_name} has no attribute {attribute!r}"
+        ) from None
+    return found
+
+
+def load_backend(name: str, options: BackendOptions | None = None) -> Backend:
+    """A backend by registered name (entry-point group) or ``package.module:attribute``.
+
+    The attribute may be a backend object, or a class or factory called with no argument,
+    or with a :class:`BackendOptions` when it takes one.
+    """
+    registered = _registered()
+    if ":" not in name and name not in registered:
+        known = ", ".join(sorted(registered)) or "none"
+        raise BackendLoadError(f"no adapter named {name!r}; registered adapters: {known}")
+    target = _import_target(registered.get(name, name))
+    if isinstance(target, Backend) and not inspect.isclass(target):
+        return target
+    if not callable(target):
+        raise BackendLoadError(f"adapter {name!r} is neither a backend nor a factory")
+    takes_options = bool(inspect.signature(target).parameters)
+    try:
+        made = target(options or BackendOptions()) if takes_options else target()
+    except BackendLoadError:
+        raise
+    except Exception as error:
+        raise BackendLoadError(f"adapter {name!r} could not be created: {error}") from error
+    if not isinstance(made, Backend):
+        raise BackendLoadError(
+            f"adapter {name!r} made {type(made).__name__}, which lacks the Backend protocol "
+            "(name, version, precision, capabilities, build, parameters, forward, loss)"
+        )
+    return made

@@ -1,0 +1,1 @@
+"""Built-in adapters, one module each, imported only when asked for."""

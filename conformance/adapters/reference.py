@@ -1,0 +1,104 @@
+"""The reference backend: the numpy float64 implementation in :mod:`impl`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from conformance import __version__
+from conformance.adapter import (
+    BackendBase,
+    Capability,
+    FloatArray,
+    ForwardOutput,
+    LossOutput,
+    Parameters,
+    Refusal,
+)
+from impl.errors import DecoderModelError
+from impl.model import DecoderModel
+from spec.config import DecoderConfig
+from spec.recipe import SplitMix64
+from spec.tolerances import Precision
+
+__all__ = ["ReferenceBackend"]
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """Turn the reference's exceptions into protocol refusals with their details."""
+    try:
+        yield
+    except DecoderModelError as error:
+        raise Refusal(error.kind, str(error), _details(error)) from error
+
+
+def _details(error: DecoderModelError) -> dict[str, Any]:
+    details = dict(error.details())
+    source = details.pop("source", None)
+    if isinstance(source, DecoderModelError):
+        details.update(_details(source))
+    return details
+
+
+class ReferenceBackend(BackendBase):
+    """Every capability, float64, over :class:`impl.model.DecoderModel`."""
+
+    name = "reference"
+    version = __version__
+    precision = Precision.FLOAT64
+    capabilities = frozenset(Capability)
+
+    def build(self, config: DecoderConfig, parameters: Parameters) -> DecoderModel:
+        with _refusals():
+            return DecoderModel.from_parameters(config, parameters)
+
+    def build_seeded(self, config: DecoderConfig, seed: int) -> DecoderModel:
+        with _refusals():
+            return DecoderModel.from_seed(config, seed)
+
+    def initialize(self, config: DecoderConfig, stream: SplitMix64) -> DecoderModel:
+        with _refusals():
+            return DecoderModel.initialize(config, stream)
+
+    def parameters(self, model: DecoderModel) -> list[tuple[str, FloatArray]]:
+        return model.state()
+
+    def forward(
+        self, model: DecoderModel, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
+    ) -> ForwardOutput:
+        with _refusals():
+            result = model.forward(tokens, shape)
+        return ForwardOutput(
+            logits=result.logits.value.copy(),
+            stages=[(name, stage.value.copy()) for name, stage in result.stages()],
+        )
+
+    def loss(
+        self,
+        model: DecoderModel,
+        tokens: npt.ArrayLike,
+        targets: npt.ArrayLike,
+        *,
+        detach_lookup: bool = False,
+        detach_head: bool = False,
+    ) -> LossOutput:
+        with _refusals():
+            value = model.loss(
+                tokens, targets, detach_lookup=detach_lookup, detach_head=detach_head
+            )
+        model.zero_grad()
+        value.backward()
+        # A parameter the loss does not reach has gradient zero, not "none".
+        gradients = {
+            name: np.zeros(shape) if gradient is None else gradient
+            for (name, gradient), shape in zip(
+                model.gradients().items(), (p.shape for p in model.parameters()), strict=True
+            )
+        }
+        model.zero_grad()
+        return LossOutput(loss=float(value.value), gradients=gradients)

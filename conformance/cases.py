@@ -1,0 +1,90 @@
+"""The suite's scenarios: small valid runs built by construction, with their reproduction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from hypothesis import strategies as st
+
+from conformance.adapter import Backend
+from conformance.checks import Case
+from spec.config import DecoderConfig
+from spec.recipe import initial_parameters
+from spec.strategies import configs, token_batches
+
+__all__ = ["Scenario", "scenarios", "suite_configs"]
+
+IdArray = npt.NDArray[np.int64]
+
+
+def suite_configs(
+    *, min_vocabulary: int = 1, min_layers: int = 0, max_layers: int = 2
+) -> st.SearchStrategy[DecoderConfig]:
+    """Configurations small enough for the mpmath oracle, large enough for every feature:
+    1-3 heads, head widths 2-6 (up to three RoPE frequencies), feed-forward narrower and
+    wider than the model, contexts up to 5."""
+    strategy = configs(
+        max_vocabulary=7,
+        max_heads=3,
+        max_head_width=6,
+        max_feed_forward=8,
+        min_layers=min_layers,
+        max_layers=max_layers,
+        max_context=5,
+    )
+    if min_vocabulary > 1:
+        return strategy.filter(lambda config: config.vocabulary_size >= min_vocabulary)
+    return strategy
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A configuration, the recipe's parameters for a seed, and a batch of tokens and targets."""
+
+    config: DecoderConfig
+    seed: int
+    tokens: IdArray
+    targets: IdArray
+
+    def parameters(self) -> list[tuple[str, npt.NDArray[np.float64]]]:
+        """The recipe's named parameters."""
+        return initial_parameters(self.config, self.seed)
+
+    def build(self, backend: Backend) -> Any:
+        """The backend's model over this scenario's parameters."""
+        return backend.build(self.config, self.parameters())
+
+    def case(self, call: str = "backend.forward(model, tokens)", **notes: Any) -> Case:
+        """The reproduction of a check made on this scenario."""
+        return Case(self.config, self.seed, self.tokens, self.targets, call, dict(notes))
+
+
+def scenarios(
+    *,
+    min_vocabulary: int = 1,
+    min_layers: int = 0,
+    max_layers: int = 2,
+    full_context: bool | None = None,
+    max_batch: int = 3,
+) -> st.SearchStrategy[Scenario]:
+    """Valid scenarios; ``full_context`` forces sequences as long as the context."""
+
+    @st.composite
+    def build(draw: st.DrawFn) -> Scenario:
+        config = draw(
+            suite_configs(
+                min_vocabulary=min_vocabulary, min_layers=min_layers, max_layers=max_layers
+            )
+        )
+        tokens = draw(token_batches(config, max_batch=max_batch, full_context=full_context))
+        ids = st.integers(0, config.vocabulary_size - 1)
+        targets = np.asarray(
+            draw(st.lists(ids, min_size=tokens.size, max_size=tokens.size)), dtype=np.int64
+        ).reshape(tokens.shape)
+        seed = draw(st.integers(0, 2**64 - 1))
+        return Scenario(config, seed, tokens, targets)
+
+    return build()

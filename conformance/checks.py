@@ -1,0 +1,139 @@
+"""Assertion helpers: every failure names its rule, says what it got and what it should be,
+and ends with a snippet that reproduces it.
+
+Messages have one shape: ``[RULE-ID] what=got, but should be expected``. A test gets a
+:class:`Judge` for its rule from the ``judge`` fixture and binds it to the case it runs
+with :meth:`Judge.on`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from conformance.adapter import Backend, Refusal
+from spec.config import DecoderConfig
+from spec.errors import ErrorKind
+from spec.recipe import initial_parameters
+from spec.tolerances import scaled_error
+
+__all__ = ["Case", "Judge", "build_model"]
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return repr(value.tolist())
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class Case:
+    """What a check ran: enough to rebuild it outside the suite."""
+
+    config: DecoderConfig
+    seed: int | None = None
+    tokens: Any = None
+    targets: Any = None
+    call: str = "backend.forward(model, tokens)"
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def snippet(self, adapter: str) -> str:
+        """Python that rebuilds the model and repeats the call against the same backend."""
+        fields = ", ".join(f"{name}={value!r}" for name, value in self.config.as_dict().items())
+        lines = [
+            "from conformance.adapter import load_backend",
+            "from spec.config import DecoderConfig",
+            "from spec.recipe import initial_parameters",
+            f"backend = load_backend({adapter!r})",
+            f"config = DecoderConfig({fields})",
+        ]
+        if self.seed is not None:
+            lines.append(f"model = backend.build(config, initial_parameters(config, {self.seed}))")
+        if self.tokens is not None:
+            lines.append(f"tokens = {_literal(self.tokens)}")
+        if self.targets is not None:
+            lines.append(f"targets = {_literal(self.targets)}")
+        lines.extend(f"{name} = {_literal(value)}" for name, value in self.notes.items())
+        lines.append(self.call)
+        return "reproduce with:\n" + "\n".join(f"    {line}" for line in lines)
+
+
+@dataclass(frozen=True)
+class Judge:
+    """Checks for one rule against one backend, optionally bound to a case."""
+
+    rule: str
+    backend: Backend
+    adapter: str
+    case: Case | None = None
+
+    def on(self, case: Case) -> Judge:
+        """The same judge, reporting ``case`` when a check fails."""
+        return Judge(self.rule, self.backend, self.adapter, case)
+
+    def fail(self, what: str, got: object, expected: object) -> NoReturn:
+        """Fail in the suite's one message shape, with a reproduction when a case is bound."""
+        message = f"[{self.rule}] {what}={got}, but should be {expected}"
+        if self.case is not None:
+            message += "\n" + self.case.snippet(self.adapter)
+        pytest.fail(message, pytrace=False)
+
+    def check(self, condition: bool, what: str, got: object, expected: object) -> None:
+        """Fail unless ``condition`` holds."""
+        if not condition:
+            self.fail(what, got, expected)
+
+    def close(self, what: str, got: npt.ArrayLike, exact: npt.ArrayLike, tolerance: float) -> None:
+        """Fail unless every ``|got - exact| / max(1, |exact|)`` is within ``tolerance``."""
+        got_array = np.asarray(got, dtype=np.float64)
+        exact_array = np.asarray(exact, dtype=np.float64)
+        self.check(
+            got_array.shape == exact_array.shape,
+            f"{what} shape",
+            list(got_array.shape),
+            list(exact_array.shape),
+        )
+        errors = scaled_error(got_array, exact_array)
+        over = ~(errors <= tolerance)  # NaN, from a non-finite value, counts as over
+        if not over.any():
+            return
+        worst = int(np.argmax(np.where(np.isnan(errors), np.inf, errors)))
+        index = tuple(int(i) for i in np.unravel_index(worst, errors.shape))
+        location = f"{what}{list(index)}" if index else what
+        self.fail(
+            location,
+            f"{float(got_array[index])!r} (scaled error {float(errors[index]):.3e}; "
+            f"{int(over.sum())} of {errors.size} elements over)",
+            f"{float(exact_array[index])!r} within {tolerance:.0e}",
+        )
+
+    def refused(self, action: Callable[[], object], expected: ErrorKind, **details: Any) -> Refusal:
+        """``action`` must raise a :class:`Refusal` of kind ``expected`` carrying ``details``."""
+        try:
+            action()
+        except Refusal as refusal:
+            self.check(
+                refusal.kind is expected,
+                "refusal kind",
+                f"{refusal.kind} ({refusal.message})",
+                expected,
+            )
+            for name, value in details.items():
+                got = refusal.details.get(name, "missing")
+                self.check(got == value, f"refusal detail {name}", got, value)
+            return refusal
+        except Exception as error:  # a crash is a wrong answer, and is reported as one
+            self.fail(
+                "refusal", f"{type(error).__name__}: {error}", f"a Refusal of kind {expected}"
+            )
+        self.fail("refusal", "none (the call succeeded)", f"a Refusal of kind {expected}")
+
+
+def build_model(backend: Backend, config: DecoderConfig, seed: int) -> Any:
+    """The backend's model over the recipe's parameters for ``(config, seed)``."""
+    return backend.build(config, initial_parameters(config, seed))

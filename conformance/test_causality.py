@@ -1,0 +1,88 @@
+"""Causality and batch independence: what a logit row may depend on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conformance.adapter import Backend
+from conformance.cases import IdArray, Scenario, scenarios
+from conformance.checks import Judge
+from conformance.profiles import suite_settings
+from spec.tolerances import Tolerance
+
+
+def _changed_at(scenario: Scenario, position: int, shift: int) -> IdArray:
+    changed = scenario.tokens.copy()
+    changed[:, position] = (changed[:, position] + shift) % scenario.config.vocabulary_size
+    return changed
+
+
+@pytest.mark.rule("CAUSAL-PREFIX-BITWISE")
+@suite_settings()
+@given(scenario=scenarios(min_vocabulary=2, full_context=True), data=st.data())
+def test_changing_token_t_leaves_earlier_rows_bitwise_unchanged(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
+) -> None:
+    """Full-length runs (no truncation) so a mask that lets position t see t+1 shows."""
+    position = data.draw(st.integers(0, scenario.tokens.shape[1] - 1))
+    changed = _changed_at(
+        scenario, position, data.draw(st.integers(1, scenario.config.vocabulary_size - 1))
+    )
+    model = scenario.build(backend)
+    before = backend.forward(model, scenario.tokens).logits
+    after = backend.forward(model, changed).logits
+    check = judge.on(
+        dataclasses.replace(
+            scenario.case(changed_position=position), notes={"changed_tokens": changed}
+        )
+    )
+    for earlier in range(position):
+        same = before[:, earlier].tobytes() == after[:, earlier].tobytes()
+        worst = float(np.max(np.abs(before[:, earlier] - after[:, earlier])))
+        check.check(
+            same,
+            f"logit row {earlier} after changing token {position}",
+            f"changed by up to {worst:.3e}",
+            "bitwise unchanged",
+        )
+
+
+@pytest.mark.rule("CAUSAL-POSITION-CHANGES")
+@suite_settings()
+@given(scenario=scenarios(min_vocabulary=2), data=st.data())
+def test_changing_token_t_changes_row_t(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
+) -> None:
+    position = data.draw(st.integers(0, scenario.tokens.shape[1] - 1))
+    changed = _changed_at(
+        scenario, position, data.draw(st.integers(1, scenario.config.vocabulary_size - 1))
+    )
+    model = scenario.build(backend)
+    before = backend.forward(model, scenario.tokens).logits[:, position]
+    after = backend.forward(model, changed).logits[:, position]
+    moved = bool(np.all(np.any(before != after, axis=-1)))
+    check = judge.on(
+        dataclasses.replace(
+            scenario.case(changed_position=position), notes={"changed_tokens": changed}
+        )
+    )
+    check.check(moved, f"logit row {position} changed in every sequence", moved, True)
+
+
+@pytest.mark.rule("BATCH-INDEPENDENCE")
+@suite_settings()
+@given(scenario=scenarios(max_batch=3), data=st.data())
+def test_sequences_do_not_see_each_other(
+    backend: Backend, judge: Judge, scenario: Scenario, tolerance: Tolerance, data: st.DataObject
+) -> None:
+    model = scenario.build(backend)
+    together = backend.forward(model, scenario.tokens).logits
+    row = data.draw(st.integers(0, scenario.tokens.shape[0] - 1))
+    alone = backend.forward(model, scenario.tokens[row : row + 1]).logits
+    check = judge.on(scenario.case(row=row))
+    check.close(f"logits of sequence {row} run alone", alone[0], together[row], tolerance.values)

@@ -1,0 +1,189 @@
+"""Determinism, the initialization recipe, transactional refusals and rebuilding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conformance.adapter import (
+    Backend,
+    Capability,
+    FloatArray,
+    call_build_seeded,
+    call_initialize,
+)
+from conformance.cases import Scenario, scenarios
+from conformance.checks import Case, Judge
+from conformance.profiles import suite_settings
+from spec.config import DecoderConfig
+from spec.errors import ErrorKind
+from spec.parameters import parameter_layout
+from spec.recipe import GOLDEN_GAMMA, SplitMix64, initial_parameters
+from spec.strategies import invalid_configs, invalid_token_inputs
+from spec.tolerances import Precision
+
+
+def _bytes(listed: list[tuple[str, FloatArray]]) -> list[tuple[str, bytes]]:
+    return [(name, np.asarray(value, dtype=np.float64).tobytes()) for name, value in listed]
+
+
+@pytest.mark.rule("DET-REPLAY")
+@pytest.mark.needs(Capability.SEEDED_INIT)
+@suite_settings()
+@given(scenario=scenarios())
+def test_same_seed_same_model(backend: Backend, judge: Judge, scenario: Scenario) -> None:
+    first = call_build_seeded(backend, scenario.config, scenario.seed)
+    second = call_build_seeded(backend, scenario.config, scenario.seed)
+    check = judge.on(scenario.case("backend.build_seeded(config, seed)"))
+    check.check(
+        _bytes(backend.parameters(first)) == _bytes(backend.parameters(second)),
+        "parameters bitwise equal",
+        False,
+        True,
+    )
+    same = (
+        backend.forward(first, scenario.tokens).logits.tobytes()
+        == backend.forward(second, scenario.tokens).logits.tobytes()
+    )
+    check.check(same, "logits bitwise equal", same, True)
+
+
+@pytest.mark.rule("DET-REPEAT")
+@suite_settings()
+@given(scenario=scenarios())
+def test_same_call_same_answer(backend: Backend, judge: Judge, scenario: Scenario) -> None:
+    model = scenario.build(backend)
+    check = judge.on(scenario.case())
+    first, second = (backend.forward(model, scenario.tokens).logits for _ in range(2))
+    check.check(
+        first.tobytes() == second.tobytes(),
+        "logits of a repeated forward bitwise equal",
+        False,
+        True,
+    )
+    one, two = (backend.loss(model, scenario.tokens, scenario.targets) for _ in range(2))
+    check.check(one.loss == two.loss, "loss of a repeated call", two.loss, one.loss)
+    if Capability.GRADIENTS in backend.capabilities:
+        for name, gradient in (one.gradients or {}).items():
+            again = (two.gradients or {}).get(name)
+            same = (
+                again is not None and np.asarray(gradient).tobytes() == np.asarray(again).tobytes()
+            )
+            check.check(
+                same,
+                f"gradient of {name} on a repeated call bitwise equal (not accumulated)",
+                same,
+                True,
+            )
+
+
+@pytest.mark.rule("INIT-RECIPE")
+@pytest.mark.needs(Capability.SEEDED_INIT)
+@suite_settings()
+@given(scenario=scenarios())
+def test_initialization_follows_the_recipe(
+    backend: Backend, judge: Judge, scenario: Scenario
+) -> None:
+    model = call_build_seeded(backend, scenario.config, scenario.seed)
+    got = dict(backend.parameters(model))
+    check = judge.on(scenario.case("backend.parameters(backend.build_seeded(config, seed))"))
+    dtype = np.float32 if backend.precision is Precision.FLOAT32 else np.float64
+    for name, expected in initial_parameters(scenario.config, scenario.seed):
+        value = got.get(name)
+        if value is None:
+            check.fail(f"parameter {name}", "missing", "present")
+        # The recipe is exact: in the backend's precision it must match to the last bit.
+        wanted = expected.astype(dtype).astype(np.float64)
+        check.close(f"initial {name}", value, wanted, 0.0)
+
+
+@pytest.mark.rule("INIT-STREAM-ADVANCE")
+@pytest.mark.needs(Capability.STREAM_INIT)
+@suite_settings()
+@given(scenario=scenarios())
+def test_stream_advances_by_the_matrix_scalars(
+    backend: Backend, judge: Judge, scenario: Scenario
+) -> None:
+    stream = SplitMix64(scenario.seed)
+    call_initialize(backend, scenario.config, stream)
+    draws = sum(
+        int(np.prod(shape)) for _, shape in parameter_layout(scenario.config) if len(shape) == 2
+    )
+    expected = (scenario.seed + draws * GOLDEN_GAMMA) % 2**64
+    judge.on(scenario.case("backend.initialize(config, stream)")).check(
+        stream.state == expected, "stream state", stream.state, f"{expected} ({draws} draws)"
+    )
+
+
+@pytest.mark.rule("TXN-INIT")
+@pytest.mark.needs(Capability.STREAM_INIT, Capability.CONFIG_ERRORS)
+@suite_settings()
+@given(pair=invalid_configs(), seed=st.integers(0, 2**64 - 1))
+def test_refused_construction_leaves_the_stream(
+    backend: Backend, judge: Judge, pair: tuple[DecoderConfig, ErrorKind], seed: int
+) -> None:
+    config, expected = pair
+    stream = SplitMix64(seed)
+    check = judge.on(Case(config, call=f"backend.initialize(config, SplitMix64({seed}))"))
+    check.refused(lambda: call_initialize(backend, config, stream), expected)
+    check.check(stream.state == seed, "stream state after a refusal", stream.state, seed)
+
+
+@pytest.mark.rule("TXN-CALL")
+@pytest.mark.needs(Capability.INPUT_ERRORS)
+@suite_settings()
+@given(scenario=scenarios(), data=st.data())
+def test_refused_calls_change_nothing(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
+) -> None:
+    model = scenario.build(backend)
+    parameters_before = _bytes(backend.parameters(model))
+    result_before = backend.loss(model, scenario.tokens, scenario.targets)
+    bad_tokens, shape, kind = data.draw(invalid_token_inputs(scenario.config))
+    bad_targets = scenario.targets.copy()
+    bad_targets.flat[-1] = scenario.config.vocabulary_size
+    check = judge.on(
+        dataclasses.replace(
+            scenario.case("backend.loss(model, tokens, targets)"), notes={"bad_tokens": bad_tokens}
+        )
+    )
+    check.refused(lambda: backend.forward(model, bad_tokens, shape), kind)
+    check.refused(
+        lambda: backend.loss(model, scenario.tokens, bad_targets), ErrorKind.TARGET_ID_OUT_OF_BOUNDS
+    )
+    check.check(
+        _bytes(backend.parameters(model)) == parameters_before,
+        "parameters after refused calls bitwise unchanged",
+        False,
+        True,
+    )
+    result_after = backend.loss(model, scenario.tokens, scenario.targets)
+    check.check(
+        result_after.loss == result_before.loss,
+        "loss after refused calls",
+        result_after.loss,
+        result_before.loss,
+    )
+    for name, gradient in (result_before.gradients or {}).items():
+        again = np.asarray((result_after.gradients or {}).get(name))
+        same = again.tobytes() == np.asarray(gradient).tobytes()
+        check.check(same, f"gradient of {name} after refused calls bitwise unchanged", same, True)
+
+
+@pytest.mark.rule("REBUILD-ROUNDTRIP")
+@suite_settings()
+@given(scenario=scenarios())
+def test_rebuild_from_own_parameters(backend: Backend, judge: Judge, scenario: Scenario) -> None:
+    model = scenario.build(backend)
+    rebuilt = backend.build(scenario.config, backend.parameters(model))
+    same = (
+        backend.forward(model, scenario.tokens).logits.tobytes()
+        == backend.forward(rebuilt, scenario.tokens).logits.tobytes()
+    )
+    judge.on(scenario.case("backend.build(config, backend.parameters(model))")).check(
+        same, "logits after a rebuild bitwise equal", same, True
+    )

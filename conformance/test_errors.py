@@ -1,0 +1,383 @@
+"""Refusals: configuration, tokens, targets and parameter lists, each with its kind and order."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conformance.adapter import Backend, Capability, call_build_seeded
+from conformance.cases import Scenario, scenarios
+from conformance.checks import Case, Judge
+from conformance.profiles import suite_settings
+from spec.config import FIXTURE, DecoderConfig
+from spec.errors import ErrorCategory, ErrorKind
+from spec.strategies import (
+    CONFIG_RULE_ORDER,
+    invalid_configs,
+    invalid_token_inputs,
+    perturbed_parameter_lists,
+)
+
+CONFIG_KINDS = (ErrorKind.CONFIG_FIELD_TYPE, *CONFIG_RULE_ORDER)
+TOKEN_SHAPE_KINDS = (
+    ErrorKind.TOKEN_DTYPE,
+    ErrorKind.TOKEN_RANK,
+    ErrorKind.EMPTY_BATCH,
+    ErrorKind.EMPTY_TOKENS,
+)
+
+
+def _refuse_build(
+    backend: Backend, judge: Judge, config: DecoderConfig, expected: ErrorKind
+) -> None:
+    # Configuration is checked before anything else, so the parameter list does not matter.
+    judge.on(Case(config, call="backend.build(config, [])")).refused(
+        lambda: backend.build(config, []), expected
+    )
+    if Capability.SEEDED_INIT in backend.capabilities:
+        seeded = judge.on(Case(config, call="backend.build_seeded(config, 0)"))
+        seeded.refused(lambda: call_build_seeded(backend, config, 0), expected)
+
+
+@pytest.mark.rule("ERR-CONFIG-KIND")
+@pytest.mark.needs(Capability.CONFIG_ERRORS)
+@pytest.mark.parametrize("kind", CONFIG_KINDS, ids=str)
+@suite_settings()
+@given(data=st.data())
+def test_each_configuration_rule_has_its_kind(
+    backend: Backend, judge: Judge, kind: ErrorKind, data: st.DataObject
+) -> None:
+    config, expected = data.draw(invalid_configs(kind, also_break_later=False))
+    _refuse_build(backend, judge, config, expected)
+
+
+@pytest.mark.rule("ERR-CONFIG-ORDER")
+@pytest.mark.needs(Capability.CONFIG_ERRORS)
+@suite_settings()
+@given(pair=invalid_configs(also_break_later=True))
+def test_first_broken_configuration_rule_wins(
+    backend: Backend, judge: Judge, pair: tuple[DecoderConfig, ErrorKind]
+) -> None:
+    _refuse_build(backend, judge, *pair)
+
+
+@pytest.mark.rule("ERR-CONFIG-DEPTH0")
+@pytest.mark.needs(Capability.CONFIG_ERRORS)
+@suite_settings()
+@given(pair=invalid_configs())
+def test_zero_block_configuration_is_validated(
+    backend: Backend, judge: Judge, pair: tuple[DecoderConfig, ErrorKind]
+) -> None:
+    config, expected = pair
+    if (
+        isinstance(config.layers, int)
+        and config.layers >= 0
+        and expected is not ErrorKind.CONFIG_FIELD_TYPE
+    ):
+        config = dataclasses.replace(config, layers=0)
+    _refuse_build(backend, judge, config, expected)
+
+
+@pytest.mark.rule("CONFIG-VALID-BUILDS")
+@suite_settings()
+@given(scenario=scenarios())
+def test_valid_configurations_build_and_run(
+    backend: Backend, judge: Judge, scenario: Scenario
+) -> None:
+    check = judge.on(scenario.case())
+    logits = backend.forward(scenario.build(backend), scenario.tokens).logits
+    check.check(bool(np.all(np.isfinite(logits))), "logits all finite", False, True)
+
+
+@pytest.mark.rule("ERR-TOKEN-SHAPE")
+@pytest.mark.needs(Capability.INPUT_ERRORS)
+@suite_settings()
+@given(scenario=scenarios(), data=st.data())
+def test_malformed_token_arrays_are_refused(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
+) -> None:
+    tokens, shape, expected = data.draw(
+        invalid_token_inputs(scenario.config, kinds=TOKEN_SHAPE_KINDS)
+    )
+    model = scenario.build(backend)
+    check = judge.on(
+        dataclasses.replace(
+            scenario.case("backend.forward(model, tokens, shape)"),
+            tokens=tokens,
+            notes={"shape": shape},
+        )
+    )
+    check.refused(lambda: backend.forward(model, tokens, shape), expected)
+
+
+@pytest.mark.rule("ERR-CONTEXT-LIMIT")
+@pytest.mark.needs(Capability.INPUT_ERRORS)
+@suite_settings()
+@given(scenario=scenarios(), extra=st.integers(1, 3))
+def test_context_capacity_is_enforced(
+    backend: Backend, judge: Judge, scenario: Scenario, extra: int
+) -> None:
+    config, model = scenario.config, scenario.build(backend)
+    full = np.zeros((scenario.tokens.shape[0], config.context), dtype=np.int64)
+    judge.on(dataclasses.replace(scenario.case(), tokens=full)).check(
+        backend.forward(model, full).logits.shape[1] == config.context,
+        "full-context logits length",
+        "wrong",
+        config.context,
+    )
+    too_long = np.zeros((scenario.tokens.shape[0], config.context + extra), dtype=np.int64)
+    check = judge.on(dataclasses.replace(scenario.case(), tokens=too_long))
+    check.refused(
+        lambda: backend.forward(model, too_long),
+        ErrorKind.CONTEXT_LENGTH_EXCEEDED,
+        tokens=config.context + extra,
+        context=config.context,
+    )
+
+
+@pytest.mark.rule("ERR-TOKEN-ID")
+@pytest.mark.needs(Capability.INPUT_ERRORS)
+@suite_settings()
+@given(scenario=scenarios(), data=st.data())
+def test_out_of_vocabulary_token_names_its_position(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
+) -> None:
+    vocabulary = scenario.config.vocabulary_size
+    tokens = scenario.tokens.copy()
+    positions = sorted(data.draw(st.sets(st.integers(0, tokens.size - 1), min_size=1, max_size=2)))
+    for position in positions:
+        tokens.flat[position] = data.draw(st.sampled_from([vocabulary, vocabulary + 3, -1]))
+    model = scenario.build(backend)
+    check = judge.on(dataclasses.replace(scenario.case(), tokens=tokens))
+    refusal = check.refused(
+        lambda: backend.forward(model, tokens),
+        ErrorKind.TOKEN_ID_OUT_OF_BOUNDS,
+        position=positions[0],
+    )
+    check.check(
+        refusal.kind.category is ErrorCategory.VOCABULARY_INPUT,
+        "category",
+        refusal.kind.category,
+        ErrorCategory.VOCABULARY_INPUT,
+    )
+
+
+@pytest.mark.rule("ERR-TOKEN-ORDER")
+@pytest.mark.needs(Capability.INPUT_ERRORS)
+@suite_settings()
+@given(scenario=scenarios(), data=st.data())
+def test_token_checks_run_in_order(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
+) -> None:
+    tokens, shape, expected = data.draw(invalid_token_inputs(scenario.config))
+    model = scenario.build(backend)
+    check = judge.on(
+        dataclasses.replace(
+            scenario.case("backend.forward(model, tokens, shape)"),
+            tokens=tokens,
+            notes={"shape": shape},
+        )
+    )
+    check.refused(lambda: backend.forward(model, tokens, shape), expected)
+
+
+@pytest.mark.rule("ERR-TARGET-COUNT")
+@pytest.mark.needs(Capability.INPUT_ERRORS)
+@suite_settings()
+@given(scenario=scenarios(), change=st.sampled_from([-1, 1]))
+def test_targets_must_be_one_per_token(
+    backend: Backend, judge: Judge, scenario: Scenario, change: int
+) -> None:
+    flat = scenario.targets.reshape(-1)
+    targets = flat[:-1] if change < 0 else np.concatenate([flat, flat[:1]])
+    model = scenario.build(backend)
+    check = judge.on(
+        dataclasses.replace(scenario.case("backend.loss(model, tokens, targets)"), targets=targets)
+    )
+    refusal = check.refused(
+        lambda: backend.loss(model, scenario.tokens, targets), ErrorKind.TARGET_COUNT_MISMATCH
+    )
+    check.check(
+        refusal.kind.category is ErrorCategory.TARGET_SHAPE,
+        "category",
+        refusal.kind.category,
+        ErrorCategory.TARGET_SHAPE,
+    )
+
+
+@pytest.mark.rule("ERR-TARGET-ID")
+@pytest.mark.needs(Capability.INPUT_ERRORS)
+@suite_settings()
+@given(scenario=scenarios(), data=st.data())
+def test_out_of_vocabulary_target_names_its_position(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
+) -> None:
+    vocabulary = scenario.config.vocabulary_size
+    targets = scenario.targets.copy()
+    position = data.draw(st.integers(0, targets.size - 1))
+    targets.flat[position] = data.draw(st.sampled_from([vocabulary, -1, vocabulary + 11]))
+    model = scenario.build(backend)
+    check = judge.on(
+        dataclasses.replace(scenario.case("backend.loss(model, tokens, targets)"), targets=targets)
+    )
+    check.refused(
+        lambda: backend.loss(model, scenario.tokens, targets),
+        ErrorKind.TARGET_ID_OUT_OF_BOUNDS,
+        position=position,
+    )
+
+
+@pytest.mark.rule("ERR-LOSS-ORDER")
+@pytest.mark.needs(Capability.INPUT_ERRORS)
+@suite_settings()
+@given(scenario=scenarios(), data=st.data())
+def test_loss_checks_tokens_then_count_then_ids(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
+) -> None:
+    vocabulary = scenario.config.vocabulary_size
+    model = scenario.build(backend)
+    bad_tokens = scenario.tokens.copy()
+    bad_tokens.flat[data.draw(st.integers(0, bad_tokens.size - 1))] = vocabulary
+    short_targets = scenario.targets.reshape(-1)[:-1]
+    bad_short_targets = short_targets.copy()
+    if bad_short_targets.size:
+        bad_short_targets[0] = vocabulary
+    cases = [
+        (bad_tokens, short_targets, ErrorKind.TOKEN_ID_OUT_OF_BOUNDS),
+        (scenario.tokens, bad_short_targets, ErrorKind.TARGET_COUNT_MISMATCH),
+    ]
+    for tokens, targets, expected in cases:
+        check = judge.on(
+            dataclasses.replace(
+                scenario.case("backend.loss(model, tokens, targets)"),
+                tokens=tokens,
+                targets=targets,
+            )
+        )
+        check.refused(functools.partial(backend.loss, model, tokens, targets), expected)
+
+
+@pytest.mark.rule("ERR-SEED-EXAMPLES")
+@pytest.mark.needs(Capability.CONFIG_ERRORS, Capability.INPUT_ERRORS)
+def test_seed_examples_are_classified(backend: Backend, judge: Judge) -> None:
+    config = FIXTURE.config
+    model = backend.build(
+        config,
+        Scenario(
+            config, FIXTURE.seed, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64)
+        ).parameters(),
+    )
+    zero_heads = dataclasses.replace(config, heads=0)
+    examples: list[tuple[str, Case, Callable[[], object], ErrorCategory]] = [
+        (
+            "zero heads",
+            Case(zero_heads, call="backend.build(config, [])"),
+            lambda: backend.build(zero_heads, []),
+            ErrorCategory.CONFIGURATION,
+        ),
+        (
+            "token length above capacity",
+            Case(config, FIXTURE.seed, [[0, 1, 2, 3, 4]]),
+            lambda: backend.forward(model, [[0, 1, 2, 3, 4]]),
+            ErrorCategory.CONTEXT,
+        ),
+        (
+            "token ID V",
+            Case(config, FIXTURE.seed, [[0, 1, 5]]),
+            lambda: backend.forward(model, [[0, 1, 5]]),
+            ErrorCategory.VOCABULARY_INPUT,
+        ),
+        (
+            "one missing target",
+            Case(
+                config, FIXTURE.seed, [[0, 1, 2]], [[1, 2]], "backend.loss(model, tokens, targets)"
+            ),
+            lambda: backend.loss(model, [[0, 1, 2]], [[1, 2]]),
+            ErrorCategory.TARGET_SHAPE,
+        ),
+    ]
+    for label, case, action, category in examples:
+        check = judge.on(case)
+        try:
+            action()
+        except Exception as error:
+            kind = getattr(error, "kind", None)
+            got = (
+                kind.category
+                if isinstance(kind, ErrorKind)
+                else f"{type(error).__name__} without a kind"
+            )
+            check.check(got == category, f"category of {label}", got, category)
+        else:
+            check.fail(f"category of {label}", "no refusal", category)
+
+
+def _rebuild_refusal(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject, kinds: set[ErrorKind]
+) -> None:
+    entries, expected = data.draw(
+        perturbed_parameter_lists(scenario.config, scenario.parameters(), kinds=kinds)
+    )
+    check = judge.on(
+        scenario.case(
+            "backend.build(config, entries)",
+            entries=[(name, np.asarray(value).shape) for name, value in entries],
+        )
+    )
+    check.refused(lambda: backend.build(scenario.config, entries), expected)
+
+
+@pytest.mark.rule("ERR-REBUILD-COUNT")
+@pytest.mark.needs(Capability.REBUILD_ERRORS)
+@suite_settings()
+@given(scenario=scenarios(), data=st.data())
+def test_parameter_count_is_checked(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
+) -> None:
+    _rebuild_refusal(backend, judge, scenario, data, {ErrorKind.PARAMETER_COUNT_MISMATCH})
+
+
+@pytest.mark.rule("ERR-REBUILD-NAMES")
+@pytest.mark.needs(Capability.REBUILD_ERRORS)
+@suite_settings()
+@given(scenario=scenarios(), data=st.data())
+def test_parameter_names_are_checked_before_shapes(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
+) -> None:
+    _rebuild_refusal(backend, judge, scenario, data, {ErrorKind.PARAMETER_NAME_MISMATCH})
+    # A wrong name late in the list beats a wrong shape early in it.
+    entries = [(name, np.asarray(value)) for name, value in scenario.parameters()]
+    entries[0] = (entries[0][0], np.zeros((1, 1)))
+    entries[-1] = ("lm_head.weight", entries[-1][1])
+    check = judge.on(scenario.case("backend.build(config, entries)"))
+    check.refused(
+        lambda: backend.build(scenario.config, entries),
+        ErrorKind.PARAMETER_NAME_MISMATCH,
+        index=len(entries) - 1,
+    )
+
+
+@pytest.mark.rule("ERR-REBUILD-SHAPES")
+@pytest.mark.needs(Capability.REBUILD_ERRORS)
+@suite_settings()
+@given(scenario=scenarios(), data=st.data())
+def test_parameter_shapes_are_checked(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
+) -> None:
+    _rebuild_refusal(backend, judge, scenario, data, {ErrorKind.PARAMETER_SHAPE_MISMATCH})
+
+
+@pytest.mark.rule("ERR-REBUILD-VALUES")
+@pytest.mark.needs(Capability.REBUILD_ERRORS)
+@suite_settings()
+@given(scenario=scenarios(), data=st.data())
+def test_non_finite_parameters_are_refused(
+    backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
+) -> None:
+    _rebuild_refusal(backend, judge, scenario, data, {ErrorKind.PARAMETER_NOT_FINITE})

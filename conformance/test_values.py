@@ -1,0 +1,150 @@
+"""Values: every stage, the logits and the loss against the high-precision oracle."""
+
+from __future__ import annotations
+
+import mpmath
+import pytest
+from hypothesis import given
+
+from conformance.adapter import Backend, Capability, FloatArray
+from conformance.cases import Scenario, scenarios
+from conformance.checks import Case, Judge
+from conformance.profiles import suite_settings
+from spec.config import FIXTURE
+from spec.oracle import oracle_forward, precision, to_float64, to_mp
+from spec.published import PUBLISHED_LOGITS, PUBLISHED_LOSS, PUBLISHED_STAGES
+from spec.recipe import initial_parameters
+from spec.tolerances import Precision, Tolerance
+
+ORACLE_DIGITS = 40  # far beyond float64; fewer digits than the default keep the suite quick
+
+
+def _oracle(scenario: Scenario) -> tuple[list[tuple[str, FloatArray]], FloatArray, float]:
+    run = oracle_forward(
+        scenario.config,
+        scenario.parameters(),
+        scenario.tokens,
+        scenario.targets,
+        digits=ORACLE_DIGITS,
+    )
+    stages = [(name, to_float64(values)) for name, values in run.stages]
+    return stages, to_float64(run.logits), float(run.mean_loss())
+
+
+@pytest.mark.rule("VALUE-STAGES")
+@pytest.mark.needs(Capability.STAGES)
+@suite_settings(cost=2)
+@given(scenario=scenarios(full_context=True))
+def test_every_stage_matches_the_oracle(
+    backend: Backend, judge: Judge, scenario: Scenario, tolerance: Tolerance
+) -> None:
+    """Stages are compared in order, so a failure names the first stage that deviates."""
+    got = dict(backend.forward(scenario.build(backend), scenario.tokens).stages or [])
+    check = judge.on(scenario.case())
+    for name, exact in _oracle(scenario)[0]:
+        if name not in got:
+            check.fail(f"stage {name}", "missing", f"shape {list(exact.shape)}")
+        check.close(f"stage {name}", got[name], exact, tolerance.values)
+
+
+@pytest.mark.rule("VALUE-LOGITS")
+@suite_settings(cost=2)
+@given(scenario=scenarios(full_context=True))
+def test_logits_and_loss_match_the_oracle(
+    backend: Backend, judge: Judge, scenario: Scenario, tolerance: Tolerance
+) -> None:
+    model = scenario.build(backend)
+    _, logits, loss = _oracle(scenario)
+    check = judge.on(scenario.case())
+    check.close("logits", backend.forward(model, scenario.tokens).logits, logits, tolerance.values)
+    got = backend.loss(model, scenario.tokens, scenario.targets).loss
+    judge.on(scenario.case("backend.loss(model, tokens, targets)")).close(
+        "loss", got, loss, tolerance.values
+    )
+
+
+@pytest.mark.rule("LOSS-MEAN-NLL")
+@suite_settings()
+@given(scenario=scenarios())
+def test_loss_is_the_mean_indexed_nll_of_the_logits(
+    backend: Backend, judge: Judge, scenario: Scenario, tolerance: Tolerance
+) -> None:
+    """Judged against the backend's own logits, so only the loss reduction is tested."""
+    model = scenario.build(backend)
+    logits = backend.forward(model, scenario.tokens).logits
+    vocabulary = scenario.config.vocabulary_size
+    with precision(ORACLE_DIGITS):
+        rows = to_mp(logits).reshape(-1, vocabulary)
+        targets = scenario.targets.reshape(-1)
+        terms = [
+            mpmath.log(sum(mpmath.exp(x) for x in row)) - row[target]
+            for row, target in zip(rows, targets, strict=True)
+        ]
+        exact = float(mpmath.fsum(terms) / len(terms))
+    got = backend.loss(model, scenario.tokens, scenario.targets).loss
+    judge.on(scenario.case("backend.loss(model, tokens, targets)")).close(
+        "loss", got, exact, tolerance.values
+    )
+
+
+@pytest.mark.rule("DEPTH-ZERO-FORMULA")
+@suite_settings()
+@given(scenario=scenarios(max_layers=0))
+def test_depth_zero_is_normalized_lookup_times_table(
+    backend: Backend, judge: Judge, scenario: Scenario, tolerance: Tolerance
+) -> None:
+    _, logits, _ = _oracle(scenario)
+    got = backend.forward(scenario.build(backend), scenario.tokens).logits
+    judge.on(scenario.case()).close("RMSNorm(E[z]) E^T", got, logits, tolerance.values)
+
+
+def _matches_printed(value: float, printed: str, backend: Backend, tolerance: Tolerance) -> bool:
+    """Equal when printed with six decimals; below float64 the last printed digit may flip."""
+    if f"{value:.6f}" == printed:
+        return True
+    if backend.precision is Precision.FLOAT64:
+        return False
+    return abs(value - float(printed)) <= 0.5e-6 + tolerance.values * max(1.0, abs(float(printed)))
+
+
+@pytest.mark.rule("VALUE-SEED-FIXTURE")
+def test_seed_fixture_published_numbers(
+    backend: Backend, judge: Judge, tolerance: Tolerance
+) -> None:
+    config = FIXTURE.config
+    model = backend.build(config, initial_parameters(config, FIXTURE.seed))
+    check = judge.on(Case(config, FIXTURE.seed, FIXTURE.tokens, FIXTURE.targets))
+    output = backend.forward(model, FIXTURE.tokens)
+    published = [
+        (f"logits row {row}", values, output.logits[0, row])
+        for row, values in enumerate(PUBLISHED_LOGITS)
+    ]
+    if output.stages is not None:
+        stages = dict(output.stages)
+        for name, rows in PUBLISHED_STAGES.items():
+            published += [
+                (f"stage {name} row {row}", values, stages[name][0, row])
+                for row, values in enumerate(rows)
+            ]
+    for what, printed, values in published:
+        for column, (value, text) in enumerate(zip(values, printed, strict=True)):
+            check.check(
+                _matches_printed(float(value), text, backend, tolerance),
+                f"{what}[{column}]",
+                f"{float(value):.6f}",
+                text,
+            )
+    loss = backend.loss(model, FIXTURE.tokens, FIXTURE.targets).loss
+    check.check(
+        _matches_printed(loss, PUBLISHED_LOSS, backend, tolerance),
+        "mean loss",
+        f"{loss:.6f}",
+        PUBLISHED_LOSS,
+    )
+    if Capability.SEEDED_INIT in backend.capabilities:
+        from conformance.adapter import call_build_seeded
+
+        seeded = backend.forward(
+            call_build_seeded(backend, config, FIXTURE.seed), FIXTURE.tokens
+        ).logits
+        check.close("logits of build_seeded(config, 32)", seeded, output.logits, 0.0)

@@ -1,0 +1,79 @@
+"""Tolerances per precision class, and how they were derived.
+
+Errors are measured as the *scaled error* ``|got - exact| / max(1, |exact|)`` per element,
+against the mpmath oracle (values) or exact gradients. A tolerance is the largest error
+measured over generated configurations, times a safety margin of 100, rounded up to a
+power of ten. The figures behind each entry are recorded beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["TOLERANCES", "Precision", "Tolerance", "scaled_error", "tolerance_for"]
+
+
+class Precision(StrEnum):
+    """The arithmetic a backend computes in."""
+
+    FLOAT64 = "float64"
+    FLOAT32 = "float32"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest acceptable scaled error for forward values and for gradients."""
+
+    values: float
+    gradients: float
+    derivation: str
+
+
+TOLERANCES: dict[Precision, Tolerance] = {
+    Precision.FLOAT64: Tolerance(
+        values=1e-12,
+        gradients=1e-11,
+        derivation=(
+            "values: the float64 reference against the 40-digit oracle over 150 generated "
+            "configurations (depth 0-3, 1-4 heads, head width 2-8, context up to 8): max "
+            "6.3e-15, p99 5.0e-15, median 6.9e-16; x100 rounds up to 1e-12. gradients: the "
+            "reference against complex-step gradients agrees to 1e-12 on every scalar of six "
+            "configurations; one decade above the value bound covers the extra backward pass"
+        ),
+    ),
+    Precision.FLOAT32: Tolerance(
+        values=1e-3,
+        gradients=1e-2,
+        derivation=(
+            "values: a plain numpy float32 forward (parameters rounded to float32) against the "
+            "40-digit oracle over the same 150 configurations: max 2.8e-6, p99 2.1e-6, median "
+            "2.6e-7; x100 rounds up to 1e-3. gradients: one decade above the value bound, as "
+            "for float64"
+        ),
+    ),
+}
+
+
+def tolerance_for(precision: Precision | str) -> Tolerance:
+    """The tolerance of a precision class; a ``KeyError`` names the known classes."""
+    try:
+        return TOLERANCES[Precision(precision)]
+    except ValueError:
+        known = ", ".join(str(p) for p in Precision)
+        raise KeyError(f"no tolerance for precision {precision!r}; known: {known}") from None
+
+
+def scaled_error(got: npt.ArrayLike, exact: npt.ArrayLike) -> npt.NDArray[np.float64]:
+    """``|got - exact| / max(1, |exact|)`` elementwise (NaN where either side is not finite)."""
+    got_array = np.asarray(got, dtype=np.float64)
+    exact_array = np.asarray(exact, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        error = np.abs(got_array - exact_array) / np.maximum(1.0, np.abs(exact_array))
+    result: npt.NDArray[np.float64] = np.where(
+        np.isfinite(got_array) & np.isfinite(exact_array), error, np.nan
+    )
+    return result

@@ -1,0 +1,259 @@
+"""The conformance suite itself: rule coverage, verdicts, reports, adapters and faults."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+import conformance
+from spec.rules import RULES
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE_SERVER = f"{sys.executable} -m conformance.adapters.reference_server"
+
+
+def run_suite(
+    *arguments: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``decoder-conformance run`` in a fresh interpreter (profile ci unless overridden)."""
+    command = [sys.executable, "-m", "conformance.cli", "run", "--profile", "ci", *arguments]
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=cwd or ROOT, env=env, timeout=600, check=False
+    )
+
+
+def rule_statuses(report: Path) -> dict[str, str]:
+    return {rule["id"]: rule["status"] for rule in json.loads(report.read_text())["rules"]}
+
+
+def conformance_tests() -> dict[str, list[str]]:
+    """Test function name -> the rule IDs its marks name."""
+    found: dict[str, list[str]] = {}
+    for info in pkgutil.iter_modules(conformance.__path__):
+        if not info.name.startswith("test_"):
+            continue
+        module = importlib.import_module(f"conformance.{info.name}")
+        for name in dir(module):
+            function = getattr(module, name)
+            if name.startswith("test_") and callable(function):
+                marks = getattr(function, "pytestmark", [])
+                found[f"{info.name}.{name}"] = [
+                    mark.args[0] for mark in marks if mark.name == "rule"
+                ]
+    return found
+
+
+def test_every_rule_has_a_test_and_every_test_one_rule() -> None:
+    tests = conformance_tests()
+    without_rule = [name for name, rules in tests.items() if len(rules) != 1]
+    assert not without_rule, f"tests naming no rule or several: {without_rule}"
+    covered = {rules[0] for rules in tests.values()}
+    missing = [rule.id for rule in RULES if rule.id not in covered]
+    assert not missing, f"rules without a conformance test: {missing}"
+    assert covered <= {rule.id for rule in RULES}
+
+
+@pytest.fixture(scope="module")
+def reference_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    report = tmp_path_factory.mktemp("reference") / "report.json"
+    result = run_suite("--json", str(report))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return report
+
+
+def test_reference_passes_every_rule(reference_report: Path) -> None:
+    statuses = rule_statuses(reference_report)
+    assert set(statuses.values()) == {"passed"}, statuses
+    document = json.loads(reference_report.read_text())
+    assert document["schema"] == "decoder-conformance-report" and document["schema_version"] == 1
+    assert document["backend"] == "reference" and document["profile"] == "ci"
+    assert document["summary"]["passed"] == len(RULES)
+    assert {"id", "category", "statement", "status", "duration", "tests", "message"} <= set(
+        document["rules"][0]
+    )
+
+
+def test_reference_through_the_subprocess_protocol(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    result = run_suite(
+        "--adapter", "subprocess", "--backend-command", REFERENCE_SERVER, "--json", str(report)
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert set(rule_statuses(report).values()) == {"passed"}
+
+
+def test_two_workers_give_the_same_verdicts(reference_report: Path, tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    result = run_suite("--workers", "2", "--json", str(report))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert rule_statuses(report) == rule_statuses(reference_report)
+
+
+def readme_example() -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- example-adapter -->\s*```python\n(.*?)```", text, re.S)
+    assert match, "README.md must hold the example adapter after <!-- example-adapter -->"
+    return match.group(1)
+
+
+def test_readme_example_adapter_passes_what_it_declares(tmp_path: Path) -> None:
+    (tmp_path / "my_backend.py").write_text(readme_example())
+    report = tmp_path / "report.json"
+    env = {**_environment(), "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    result = run_suite(
+        "--adapter", "my_backend:MyBackend", "--json", str(report), cwd=tmp_path, env=env
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    document = json.loads(report.read_text())
+    statuses = {rule["id"]: rule for rule in document["rules"]}
+    assert statuses["VALUE-STAGES"]["status"] == "passed"
+    assert statuses["VALUE-SEED-FIXTURE"]["status"] == "passed"
+    skipped = statuses["GRAD-FINITE"]
+    assert skipped["status"] == "skipped" and "needs capability 'gradients'" in skipped["message"]
+    assert document["summary"]["failed"] == 0
+
+
+def _environment() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+MUTANT = '''
+from conformance.adapter import ForwardOutput
+from conformance.adapters.reference import ReferenceBackend
+
+
+class LeakyMask(ReferenceBackend):
+    """Logits of position t also see token t + 1 (adds a scaled copy of the next row)."""
+
+    name = "leaky-mask"
+
+    def forward(self, model, tokens, shape=None):
+        out = super().forward(model, tokens, shape)
+        logits = out.logits.copy()
+        logits[:, :-1] += 1e-3 * out.logits[:, 1:]
+        return ForwardOutput(logits=logits, stages=out.stages)
+'''
+
+
+def test_a_broken_backend_fails_with_rule_message_and_reproduction(tmp_path: Path) -> None:
+    (tmp_path / "leaky.py").write_text(MUTANT)
+    env = {**_environment(), "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    report, markdown = tmp_path / "report.json", tmp_path / "report.md"
+    result = run_suite(
+        "--adapter", "leaky:LeakyMask", "--json", str(report), "--markdown", str(markdown),
+        "--pytest-args", "-k causal", cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert result.returncode == 1
+    statuses = rule_statuses(report)
+    assert statuses["CAUSAL-PREFIX-BITWISE"] == "failed"
+    assert "[CAUSAL-PREFIX-BITWISE] logit row 0 after changing token" in result.stdout
+    assert "but should be bitwise unchanged" in result.stdout
+    assert (
+        "reproduce with:" in result.stdout
+        and "backend = load_backend('leaky:LeakyMask')" in result.stdout
+    )
+    assert "| `CAUSAL-PREFIX-BITWISE` | causality | failed |" in markdown.read_text()
+    assert statuses["VALUE-STAGES"] == "untested"
+
+
+# The faulty backend breaks only the head-detached loss, which TIE-GRADIENT-SUM alone asks
+# for; the two bystanders must pass around it.
+AFFECTED_AND_BYSTANDERS = "sum_of_both_roles or logits_shape or valid_configurations"
+
+
+def _live_processes(marker: str) -> list[str]:
+    listing = subprocess.run(
+        ["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True
+    ).stdout
+    return [line for line in listing.splitlines() if marker in line and "ps -eo" not in line]
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("crash", "backend process exited with status 3 while answering 'loss'"),
+        ("hang", "backend did not answer 'loss' within 2 s (killed)"),
+        ("garbage", "backend answered 'loss' with not JSON"),
+    ],
+)
+def test_backend_faults_fail_only_the_affected_test(
+    tmp_path: Path, mode: str, message: str
+) -> None:
+    marker = f"faulty-{uuid.uuid4().hex}"
+    report = tmp_path / "report.json"
+    result = run_suite(
+        "--adapter", "subprocess", "--backend-timeout", "2",
+        "--backend-command", f"{sys.executable} -m tests.faulty_backend {mode} {marker}",
+        "--json", str(report), "--pytest-args", f"-k '{AFFECTED_AND_BYSTANDERS}'",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout[-3000:]
+    statuses = rule_statuses(report)
+    assert statuses["TIE-GRADIENT-SUM"] == "failed"
+    assert statuses["SHAPE-LOGITS"] == statuses["CONFIG-VALID-BUILDS"] == "passed"
+    detail = json.loads(report.read_text())["rules"]
+    failure = next(rule for rule in detail if rule["id"] == "TIE-GRADIENT-SUM")["message"]
+    assert message in failure
+    if mode != "garbage":
+        assert (
+            f"faulty backend: {'crashing' if mode == 'crash' else 'hanging'} on purpose" in failure
+        )
+    assert _live_processes(marker) == [], "a backend process outlived the run"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (
+            ["--adapter", "no-such-adapter"],
+            "no adapter named 'no-such-adapter'; registered adapters:",
+        ),
+        (["--adapter", "nowhere.module:Backend"], "cannot import nowhere.module"),
+        (["--adapter", "subprocess"], "the subprocess adapter needs --backend-command"),
+    ],
+)
+def test_unusable_adapters_are_explained(arguments: list[str], message: str) -> None:
+    result = run_suite(*arguments)
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr
+
+
+pytest_plugins = ["pytester"]
+
+
+def test_plugin_reads_the_environment_and_warns_about_stale_xfails(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    xfails = pytester.makefile(
+        ".txt", xfails="# expected failures\nSHAPE-LOGITS\nNO-SUCH-TEST::x\n"
+    )
+    monkeypatch.setenv("DECODER_CONFORMANCE_ADAPTER", "reference")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--pyargs", "conformance", "--conformance-profile", "ci",
+        "-k", "logits_shape or parameter_count", "--xfails-file", str(xfails), "-v",
+    )  # fmt: skip
+    result.stdout.fnmatch_lines(
+        [
+            "*decoder-conformance 0.1.0: backend reference*precision float64, profile ci*",
+            "*capabilities: config-errors, gradients*",
+            "*xfails.txt line 3 ('NO-SUCH-TEST::x') matches no test*",
+            "*SHAPE-LOGITS*xpassed*",
+            "*PARAM-COUNT*passed*",
+        ]
+    )
+
+
+def test_plugin_is_inert_outside_the_suite(pytester: pytest.Pytester) -> None:
+    package = pytester.mkpydir("conformance_extra")
+    (package / "test_unruled.py").write_text("def test_orphan():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", str(package))
+    result.assert_outcomes(passed=1)  # outside the conformance package the plugin is inert
