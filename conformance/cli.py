@@ -64,6 +64,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not positive")
+    return value
+
+
 def _positive_real(text: str) -> float:
     value = _real(text)
     if not value > 0:
@@ -129,6 +136,26 @@ def _build_parser() -> _Parser:
         default="",
         help='extra pytest arguments, quoted as one string (for example "-x -k tying")',
     )
+    tolerances = commands.add_parser(
+        "tolerances",
+        help="show the committed tolerances, or derive them again from measurements",
+        description="Tolerances per precision class and the measurements behind them.",
+    )
+    tolerance_actions = tolerances.add_subparsers(
+        dest="action", metavar="ACTION", parser_class=_Parser
+    )
+    tolerance_actions.required = True
+    tolerance_actions.add_parser("show", help="print the committed table and its derivation")
+    derive = tolerance_actions.add_parser(
+        "derive",
+        help="measure a backend against the oracle and print the error distribution and table",
+    )
+    derive.add_argument("--adapter", default=None, help="backend to measure (default reference)")
+    derive.add_argument("--backend-command", help="command that starts a subprocess backend")
+    derive.add_argument(
+        "--configs", type=_positive_int, default=100, help="generated configurations (100)"
+    )
+    derive.add_argument("--seed", type=_non_negative_int, default=0, help="generator seed (0)")
     rules = commands.add_parser(
         "rules",
         help="list every rule of the specification (ID, category, statement, source)",
@@ -316,9 +343,34 @@ class _SuiteExit(Exception):
         self.status = status
 
 
+def _run_tolerances(options: argparse.Namespace) -> str:
+    from spec.tolerances import TOLERANCES
+
+    if options.action == "show":
+        lines = ["precision  values  gradients  derivation"]
+        for precision, entry in TOLERANCES.items():
+            bounds = f"{entry.values:<6.0e}  {entry.gradients:<9.0e}"
+            lines.append(f"{precision!s:<9}  {bounds}  {entry.derivation}")
+        return "\n".join(lines) + "\n"
+    from conformance.adapter import BackendLoadError, BackendOptions, load_backend
+    from conformance.tolerance_survey import account_for_seed_check, render_survey, survey
+    from spec.tolerances import tolerance_for
+
+    try:
+        backend = load_backend(
+            options.adapter or "reference", BackendOptions(backend_command=options.backend_command)
+        )
+    except BackendLoadError as error:
+        raise CommandLineError(f"{PROGRAM} tolerances derive: {error}") from error
+    measured = survey(backend, configs=options.configs, seed=options.seed)
+    account = account_for_seed_check(backend) if backend.precision == "float64" else None
+    return render_survey(measured, tolerance_for(backend.precision), account)
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], str]] = {
     "report": _run_report,
     "rules": _run_rules,
+    "tolerances": _run_tolerances,
     "run": _run_suite,
     "trace": _run_trace,
 }

@@ -14,7 +14,9 @@ from conformance.checks import Case, Judge
 from conformance.profiles import suite_settings
 from spec.config import FIXTURE, DecoderConfig
 from spec.oracle import oracle_forward, precision
+from spec.oracle_gradients import oracle_gradients
 from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME, parameter_layout
+from spec.tolerances import Tolerance
 
 
 @pytest.mark.rule("GRAD-FINITE")
@@ -40,6 +42,26 @@ def test_every_parameter_gets_a_finite_gradient(
         )
         finite = bool(np.all(np.isfinite(gradient)))
         check.check(finite, f"gradient of {name} all finite", finite, True)
+
+
+@pytest.mark.rule("GRAD-ORACLE")
+@pytest.mark.needs(Capability.GRADIENTS)
+@suite_settings(cost=2)
+@given(scenario=scenarios(full_context=True))
+def test_gradients_match_the_oracle(
+    backend: Backend, judge: Judge, scenario: Scenario, tolerance: Tolerance
+) -> None:
+    """Parameters are compared in the stable order, so a failure names the first one off."""
+    parameters = scenario.parameters()
+    exact = oracle_gradients(
+        scenario.config, parameters, scenario.tokens, scenario.targets, digits=40
+    )
+    got = backend.loss(scenario.build(backend), scenario.tokens, scenario.targets).gradients or {}
+    check = judge.on(scenario.case("backend.loss(model, tokens, targets).gradients"))
+    for name, expected in exact.gradients.items():
+        if name not in got:
+            check.fail(f"gradient of {name}", "missing", f"shape {list(expected.shape)}")
+        check.close(f"gradient of {name}", got[name], expected, tolerance.gradients)
 
 
 def _probe() -> tuple[DecoderConfig, list[tuple[str, FloatArray]]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -167,26 +168,35 @@ class DecoderModel:
     Build one with :meth:`from_seed`, :meth:`initialize` or :meth:`from_parameters`.
     """
 
+    # The component classes, so a variant model (a port under study, a deliberately broken
+    # one) can replace one layer and keep everything else.
+    embedding_class: ClassVar[type[Embedding]] = Embedding
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
+    rope_class: ClassVar[type[RotaryEmbedding]] = RotaryEmbedding
+    attention_class: ClassVar[type[CausalSelfAttention]] = CausalSelfAttention
+    feed_forward_class: ClassVar[type[SwiGLU]] = SwiGLU
+    block_class: ClassVar[type[DecoderBlock]] = DecoderBlock
+
     def __init__(self, config: DecoderConfig, parameters: Sequence[NamedParameter]) -> None:
         """Assemble components over already validated leaves (use the class methods)."""
         self.config = config
-        self.token_embedding = Embedding(parameters[0])
-        rope = RotaryEmbedding(config.head_width, config.context, float(config.rope_base))
+        self.token_embedding = self.embedding_class(parameters[0])
+        rope = self.rope_class(config.head_width, config.context, float(config.rope_base))
         epsilon = float(config.rms_epsilon)
         self.blocks: list[DecoderBlock] = []
         for layer in range(config.layers):
             start = 1 + 9 * layer
             p = parameters[start : start + 9]
             self.blocks.append(
-                DecoderBlock(
+                self.block_class(
                     layer,
-                    RMSNorm(p[0], epsilon),
-                    CausalSelfAttention(p[1], p[2], p[3], p[4], heads=config.heads, rope=rope),
-                    RMSNorm(p[5], epsilon),
-                    SwiGLU(p[6], p[7], p[8]),
+                    self.norm_class(p[0], epsilon),
+                    self.attention_class(p[1], p[2], p[3], p[4], heads=config.heads, rope=rope),
+                    self.norm_class(p[5], epsilon),
+                    self.feed_forward_class(p[6], p[7], p[8]),
                 )
             )
-        self.final_norm = RMSNorm(parameters[-1], epsilon)
+        self.final_norm = self.norm_class(parameters[-1], epsilon)
         self._parameters = [self.token_embedding.weight]
         for block in self.blocks:
             self._parameters.extend(block.parameters())

@@ -24,8 +24,11 @@ from spec.shapes import stage_names
 
 __all__ = [
     "DEFAULT_DIGITS",
+    "BlockCache",
+    "NormCache",
     "OracleRun",
     "oracle_forward",
+    "oracle_forward_exact",
     "precision",
     "relative_error",
     "to_float64",
@@ -63,7 +66,8 @@ def to_mp(values: npt.ArrayLike) -> MpArray:
 def to_float64(values: MpArray | Any) -> npt.NDArray[np.float64]:
     """Round every ``mpf`` to the nearest float64 (ties to even)."""
     array = np.asarray(values, dtype=object)
-    return np.asarray(_nearest_float(array), dtype=np.float64).reshape(array.shape)
+    with np.errstate(invalid="ignore"):  # an mpf NaN (an unsampled coordinate) stays NaN
+        return np.asarray(_nearest_float(array), dtype=np.float64).reshape(array.shape)
 
 
 def relative_error(actual: npt.ArrayLike, exact: MpArray) -> npt.NDArray[np.float64]:
@@ -81,6 +85,10 @@ class OracleRun:
     stages: list[tuple[str, MpArray]]
     logits: MpArray
     loss: Any | None
+    weights: dict[str, MpArray]
+    ids: npt.NDArray[np.intp]
+    blocks: list[BlockCache]
+    final_norm: NormCache
 
     def mean_loss(self) -> Any:
         """The loss as an ``mpf``; a ``ValueError`` when the run had no targets."""
@@ -89,22 +97,35 @@ class OracleRun:
         return self.loss
 
 
-def _rms_norm(x: MpArray, gain: MpArray, epsilon: Any) -> MpArray:
+@dataclass
+class NormCache:
+    """What an RMSNorm's derivative needs: its input, gain and inverse root."""
+
+    x: MpArray
+    gain: MpArray
+    inverse_root: MpArray
+
+
+def rms_norm(x: MpArray, gain: MpArray, epsilon: Any) -> tuple[MpArray, NormCache]:
+    """``x / sqrt(mean(x^2) + eps) * gain`` over the last axis."""
     width = x.shape[-1]
-    mean_square = (x * x).sum(axis=-1, keepdims=True) / width
-    result: MpArray = x / _sqrt(mean_square + epsilon) * gain
-    return result
+    inverse_root = 1 / _sqrt((x * x).sum(axis=-1, keepdims=True) / width + epsilon)
+    result: MpArray = x * inverse_root * gain
+    return result, NormCache(x, gain, inverse_root)
 
 
-def _rope(x: MpArray, base: Any) -> MpArray:
-    """Rotate interleaved pairs (2j, 2j+1) at position p by ``p * base^(-2j/hw)``."""
-    length, head_width = x.shape[-2], x.shape[-1]
+def rope_tables(length: int, head_width: int, base: Any) -> tuple[MpArray, MpArray]:
+    """``cos`` and ``sin`` of ``p * base^(-2j/hw)``, each ``[T, hw/2]``."""
     positions = np.arange(length).reshape(length, 1)
-    exponents = np.array(
-        [mpmath.mpf(-2 * j) / head_width for j in range(head_width // 2)], dtype=object
+    frequencies = np.array(
+        [base ** (mpmath.mpf(-2 * j) / head_width) for j in range(head_width // 2)], dtype=object
     )
-    angles = positions * np.array([base**e for e in exponents], dtype=object)
-    cos, sin = _cos(angles), _sin(angles)
+    angles = positions * frequencies
+    return _cos(angles), _sin(angles)
+
+
+def rotate_pairs(x: MpArray, cos: MpArray, sin: MpArray) -> MpArray:
+    """Rotate the interleaved pairs (2j, 2j+1) of ``x [..., T, hw]``; ``-sin`` rotates back."""
     rotated = np.empty_like(x)
     even, odd = x[..., 0::2], x[..., 1::2]
     rotated[..., 0::2] = even * cos - odd * sin
@@ -112,35 +133,70 @@ def _rope(x: MpArray, base: Any) -> MpArray:
     return rotated
 
 
-def _attention(
-    x: MpArray, weights: Mapping[str, MpArray], prefix: str, config: DecoderConfig
-) -> MpArray:
+@dataclass
+class BlockCache:
+    """The intermediates of one block that its derivative needs."""
+
+    attention_norm: NormCache
+    normed: MpArray
+    query: MpArray
+    key: MpArray
+    value: MpArray
+    probabilities: MpArray
+    mixed: MpArray
+    ffn_norm: NormCache
+    ffn_input: MpArray
+    gate: MpArray
+    sigmoid: MpArray
+    up: MpArray
+    product: MpArray
+    cos: MpArray
+    sin: MpArray
+
+
+def split_heads(x: MpArray, heads: int) -> MpArray:
+    """``[B, T, d]`` to ``[B, H, T, hw]``."""
     batch, length, width = x.shape
-    heads, head_width = config.heads, width // config.heads
-    base = mpmath.mpf(config.rope_base)
+    return x.reshape(batch, length, heads, width // heads).transpose(0, 2, 1, 3)
 
-    def split(projected: MpArray) -> MpArray:
-        return projected.reshape(batch, length, heads, head_width).transpose(0, 2, 1, 3)
 
-    query = _rope(split(x @ weights[f"{prefix}.query.weight"]), base)
-    key = _rope(split(x @ weights[f"{prefix}.key.weight"]), base)
-    value = split(x @ weights[f"{prefix}.value.weight"])
+def merge_heads(x: MpArray) -> MpArray:
+    """``[B, H, T, hw]`` to ``[B, T, d]``."""
+    batch, heads, length, head_width = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(batch, length, heads * head_width)
+
+
+def block_forward(
+    x: MpArray, weights: Mapping[str, MpArray], layer: int, config: DecoderConfig, epsilon: Any
+) -> tuple[MpArray, BlockCache]:
+    """``h = x + attention(norm(x))``, ``y = h + swiglu(norm(h))``, and the intermediates."""
+
+    def w(name: str) -> MpArray:
+        return weights[f"blocks.{layer}.{name}"]
+
+    length, head_width = x.shape[1], config.model_width // config.heads
+    normed, attention_norm = rms_norm(x, w("attention_norm.gain"), epsilon)
+    cos, sin = rope_tables(length, head_width, mpmath.mpf(config.rope_base))
+    query = rotate_pairs(split_heads(normed @ w("attention.query.weight"), config.heads), cos, sin)
+    key = rotate_pairs(split_heads(normed @ w("attention.key.weight"), config.heads), cos, sin)
+    value = split_heads(normed @ w("attention.value.weight"), config.heads)
     scores = (query @ key.transpose(0, 1, 3, 2)) / mpmath.sqrt(head_width)
     visible = np.tril(np.ones((length, length), dtype=bool))
     exponentials = np.where(visible, _exp(np.where(visible, scores, 0)), mpmath.mpf(0))
     probabilities = exponentials / exponentials.sum(axis=-1, keepdims=True)
-    mixed = (probabilities @ value).transpose(0, 2, 1, 3).reshape(batch, length, width)
-    result: MpArray = mixed @ weights[f"{prefix}.output.weight"]
-    return result
-
-
-def _swiglu(x: MpArray, weights: Mapping[str, MpArray], prefix: str) -> MpArray:
-    gate = x @ weights[f"{prefix}.gate.weight"]
-    silu = gate / (1 + _exp(-gate))
-    result: MpArray = (silu * (x @ weights[f"{prefix}.up.weight"])) @ weights[
-        f"{prefix}.down.weight"
-    ]
-    return result
+    mixed = merge_heads(probabilities @ value)
+    hidden = x + mixed @ w("attention.output.weight")
+    ffn_input, ffn_norm = rms_norm(hidden, w("ffn_norm.gain"), epsilon)
+    gate = ffn_input @ w("ffn.gate.weight")
+    sigmoid = 1 / (1 + _exp(-gate))
+    up = ffn_input @ w("ffn.up.weight")
+    product = gate * sigmoid * up
+    output: MpArray = hidden + product @ w("ffn.down.weight")
+    cache = BlockCache(
+        attention_norm, normed, query, key, value, probabilities, mixed,
+        ffn_norm, ffn_input, gate, sigmoid, up, product, cos, sin,
+    )  # fmt: skip
+    return output, cache
 
 
 def oracle_forward(
@@ -156,21 +212,33 @@ def oracle_forward(
     Inputs are assumed valid (see :mod:`spec.validation`); the result stays at ``digits``.
     """
     named = dict(parameters.items()) if isinstance(parameters, Mapping) else dict(parameters)
-    ids = np.asarray(tokens, dtype=np.intp)
     with precision(digits):
         weights = {name: to_mp(value) for name, value in named.items()}
+    return oracle_forward_exact(config, weights, tokens, targets, digits=digits)
+
+
+def oracle_forward_exact(
+    config: DecoderConfig,
+    weights: Mapping[str, MpArray],
+    tokens: npt.ArrayLike,
+    targets: npt.ArrayLike | None = None,
+    *,
+    digits: int = DEFAULT_DIGITS,
+) -> OracleRun:
+    """:func:`oracle_forward` over parameters that are already ``mpf`` (any, not only float64)."""
+    ids = np.asarray(tokens, dtype=np.intp)
+    with precision(digits):
+        weights = dict(weights)
         epsilon = mpmath.mpf(config.rms_epsilon)
         table = weights[EMBEDDING_NAME]
         hidden = table[ids]
         outputs = [hidden]
+        caches = []
         for layer in range(config.layers):
-            prefix = f"blocks.{layer}"
-            normed = _rms_norm(hidden, weights[f"{prefix}.attention_norm.gain"], epsilon)
-            hidden = hidden + _attention(normed, weights, f"{prefix}.attention", config)
-            normed = _rms_norm(hidden, weights[f"{prefix}.ffn_norm.gain"], epsilon)
-            hidden = hidden + _swiglu(normed, weights, f"{prefix}.ffn")
+            hidden, cache = block_forward(hidden, weights, layer, config, epsilon)
             outputs.append(hidden)
-        final = _rms_norm(hidden, weights[FINAL_NORM_NAME], epsilon)
+            caches.append(cache)
+        final, final_cache = rms_norm(hidden, weights[FINAL_NORM_NAME], epsilon)
         outputs.append(final)
         logits: MpArray = final @ table.T
         loss = None
@@ -179,6 +247,5 @@ def oracle_forward(
             picked = rows[np.arange(rows.shape[0]), np.asarray(targets, dtype=np.intp).reshape(-1)]
             log_normalizers = _log(_exp(rows).sum(axis=-1))
             loss = (log_normalizers - picked).sum() / rows.shape[0]
-    return OracleRun(
-        digits, list(zip(stage_names(config.layers), outputs, strict=True)), logits, loss
-    )
+    stages = list(zip(stage_names(config.layers), outputs, strict=True))
+    return OracleRun(digits, stages, logits, loss, weights, ids, caches, final_cache)

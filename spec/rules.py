@@ -101,6 +101,7 @@ RULES: tuple[Rule, ...] = (
     Rule("VALUE-LOGITS", "The logits and the loss agree with the high-precision oracle within tolerance.", C.VALUES, _FORMULA),
     Rule("VALUE-SEED-FIXTURE", "The seed fixture's published stage rows, logits and loss are reproduced to six decimals.", C.VALUES, "seed: 'Inspect representative hidden rows and every logit'"),
     Rule("GRAD-FINITE", "The loss gives every parameter tensor a finite gradient.", C.GRADIENTS, _GRADCHECK),
+    Rule("GRAD-ORACLE", "Every parameter scalar's gradient agrees with the high-precision oracle gradient within tolerance.", C.GRADIENTS, f"{_ROLES}; project rule (issue 6)"),
     Rule("GRAD-SEED-CHECK", "The seed's central-difference check (step 1e-6, tolerance 2e-5) passes on its probe model.", C.GRADIENTS, _GRADCHECK),
 )
 del C

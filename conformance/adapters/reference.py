@@ -52,18 +52,20 @@ class ReferenceBackend(BackendBase):
     version = __version__
     precision = Precision.FLOAT64
     capabilities = frozenset(Capability)
+    # A variant of the reference (a mutant, a port under study) swaps the model class.
+    model_class: type[DecoderModel] = DecoderModel
 
     def build(self, config: DecoderConfig, parameters: Parameters) -> DecoderModel:
         with _refusals():
-            return DecoderModel.from_parameters(config, parameters)
+            return self.model_class.from_parameters(config, parameters)
 
     def build_seeded(self, config: DecoderConfig, seed: int) -> DecoderModel:
         with _refusals():
-            return DecoderModel.from_seed(config, seed)
+            return self.model_class.from_seed(config, seed)
 
     def initialize(self, config: DecoderConfig, stream: SplitMix64) -> DecoderModel:
         with _refusals():
-            return DecoderModel.initialize(config, stream)
+            return self.model_class.initialize(config, stream)
 
     def parameters(self, model: DecoderModel) -> list[tuple[str, FloatArray]]:
         return model.state()

@@ -1,0 +1,235 @@
+"""Measure a backend's errors against the mpmath oracle, and derive tolerances from them.
+
+``decoder-conformance tolerances derive`` runs :func:`survey` over generated configurations
+and prints, per stage, the distribution of the largest scaled error of each configuration,
+and the tolerance that distribution implies: the maximum times a safety margin, rounded up
+to a power of ten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from conformance.adapter import Backend, Capability
+from spec.config import FIXTURE, DecoderConfig
+from spec.oracle import oracle_forward, to_float64
+from spec.oracle_gradients import oracle_gradients
+from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME
+from spec.recipe import initial_parameters
+from spec.tolerances import Tolerance, scaled_error, tolerance_for
+
+__all__ = [
+    "SAFETY_MARGIN",
+    "SeedCheckAccount",
+    "Survey",
+    "account_for_seed_check",
+    "render_survey",
+    "survey",
+]
+
+SAFETY_MARGIN = 100.0
+STAGE_CLASSES = ("embedding", "blocks", "final-norm", "logits", "loss", "gradients")
+
+
+IdArray = npt.NDArray[np.int64]
+
+
+def _generated_configs(count: int, seed: int) -> list[tuple[DecoderConfig, int, IdArray, IdArray]]:
+    """Valid configurations by construction, with a seed, tokens and targets for each."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for _ in range(count):
+        heads = int(rng.integers(1, 5))
+        head_width = 2 * int(rng.integers(1, 5))
+        config = DecoderConfig(
+            vocabulary_size=int(rng.integers(1, 13)),
+            model_width=heads * head_width,
+            heads=heads,
+            feed_forward_width=int(rng.integers(1, 17)),
+            layers=int(rng.integers(0, 4)),
+            context=int(rng.integers(1, 9)),
+            rope_base=float(rng.choice([10000.0, 100.0, 10.0])),
+            rms_epsilon=float(rng.choice([1e-6, 1e-5, 0.0])),
+        )
+        batch, length = int(rng.integers(1, 4)), int(rng.integers(1, config.context + 1))
+        tokens = rng.integers(0, config.vocabulary_size, size=(batch, length))
+        targets = rng.integers(0, config.vocabulary_size, size=(batch, length))
+        cases.append((config, int(rng.integers(0, 2**63)), tokens, targets))
+    return cases
+
+
+@dataclass
+class Survey:
+    """Per stage class, the largest scaled error of each measured configuration."""
+
+    backend: str
+    precision: str
+    errors: dict[str, list[float]] = field(
+        default_factory=lambda: {name: [] for name in STAGE_CLASSES}
+    )
+
+    def derived(self, stage: str) -> float | None:
+        """The tolerance one stage's errors imply (None without measurements)."""
+        return _power_above(self.errors[stage])
+
+    def derived_tolerance(self) -> tuple[float | None, float | None]:
+        """The value tolerance (every forward stage, logits and loss) and the gradient one."""
+        forward = [value for stage in STAGE_CLASSES[:-1] for value in self.errors[stage]]
+        return _power_above(forward), _power_above(self.errors["gradients"])
+
+
+def _power_above(errors: list[float]) -> float | None:
+    """``max(errors) x SAFETY_MARGIN`` rounded up to a power of ten."""
+    if not errors:
+        return None
+    worst = max(*errors, float(np.finfo(np.float64).eps))
+    return float(10.0 ** math.ceil(math.log10(worst * SAFETY_MARGIN)))
+
+
+def survey(backend: Backend, *, configs: int = 100, seed: int = 0) -> Survey:
+    """Errors of ``backend`` against the oracle over ``configs`` generated configurations."""
+    measured = Survey(backend.name, str(backend.precision))
+    for config, parameter_seed, tokens, targets in _generated_configs(configs, seed):
+        parameters = initial_parameters(config, parameter_seed)
+        exact = oracle_forward(config, parameters, tokens, targets, digits=40)
+        model = backend.build(config, parameters)
+        output = backend.forward(model, tokens)
+        if output.stages is not None:
+            got = dict(output.stages)
+            for name, values in exact.stages:
+                stage = "blocks" if name.startswith("block-") else name
+                measured.errors[stage].append(
+                    float(np.max(scaled_error(got[name], to_float64(values))))
+                )
+        measured.errors["logits"].append(
+            float(np.max(scaled_error(output.logits, to_float64(exact.logits))))
+        )
+        loss = backend.loss(model, tokens, targets)
+        measured.errors["loss"].append(float(scaled_error(loss.loss, float(exact.mean_loss()))))
+        if Capability.GRADIENTS in backend.capabilities and loss.gradients is not None:
+            oracle = oracle_gradients(config, parameters, tokens, targets, digits=40)
+            worst = max(
+                float(np.max(scaled_error(loss.gradients[name], value)))
+                for name, value in oracle.gradients.items()
+            )
+            measured.errors["gradients"].append(worst)
+    return measured
+
+
+@dataclass
+class SeedCheckAccount:
+    """What the seed's step-1e-6 central-difference check can and cannot see."""
+
+    coordinates: int
+    numerical_error_max: float
+    numerical_error_median: float
+    analytic_error_max: float
+    smallest_caught: float
+    tolerance: float
+
+
+def account_for_seed_check(backend: Backend) -> SeedCheckAccount:
+    """The seed's probe: its own float64 central differences against the oracle gradient."""
+    config = dataclasses.replace(FIXTURE.config, layers=0)
+    table = np.asarray(FIXTURE.probe_table, dtype=np.float64).reshape(
+        config.vocabulary_size, config.model_width
+    )
+    gain = np.asarray(FIXTURE.probe_gain, dtype=np.float64)
+    parameters = [(EMBEDDING_NAME, table), (FINAL_NORM_NAME, gain)]
+    exact = oracle_gradients(
+        config, parameters, FIXTURE.probe_tokens, FIXTURE.probe_targets
+    ).gradients
+    model = backend.build(config, parameters)
+    analytic = backend.loss(model, FIXTURE.probe_tokens, FIXTURE.probe_targets).gradients or {}
+    step, bound = FIXTURE.gradient_step, FIXTURE.gradient_tolerance
+    numerical_errors: list[float] = []
+    analytic_errors: list[float] = []
+    slack: list[float] = []
+    for index, (name, values) in enumerate(parameters):
+        for coordinate in np.ndindex(values.shape):
+            losses = []
+            for sign in (1.0, -1.0):
+                shifted = [(n, v.copy()) for n, v in parameters]
+                shifted[index][1][coordinate] += sign * step
+                losses.append(
+                    backend.loss(
+                        backend.build(config, shifted), FIXTURE.probe_tokens, FIXTURE.probe_targets
+                    ).loss
+                )
+            spacing = (values[coordinate] + step) - (values[coordinate] - step)
+            numerical = float((losses[0] - losses[1]) / spacing)
+            truth = float(exact[name][coordinate])
+            numerical_errors.append(abs(numerical - truth))
+            analytic_errors.append(abs(float(analytic[name][coordinate]) - truth))
+            # An analytic error d passes while |a + d - n| / s <= bound, s = max(1, |a|, |n|):
+            # the smallest d that fails is about bound * s minus the numerical error already there.
+            scale = max(1.0, abs(truth), abs(numerical))
+            slack.append(bound * scale - abs(numerical - truth))
+    return SeedCheckAccount(
+        coordinates=len(numerical_errors),
+        numerical_error_max=max(numerical_errors),
+        numerical_error_median=float(np.median(numerical_errors)),
+        analytic_error_max=max(analytic_errors),
+        smallest_caught=min(slack),
+        tolerance=bound,
+    )
+
+
+def _format(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def render_survey(
+    measured: Survey, committed: Tolerance | None = None, account: SeedCheckAccount | None = None
+) -> str:
+    """The error distribution per stage and the table it implies."""
+    lines = [
+        f"backend {measured.backend} ({measured.precision}): largest scaled error "
+        "|got - exact| / max(1, |exact|) per configuration, against the 40-digit oracle;",
+        f"tolerance = max x {SAFETY_MARGIN:g}, rounded up to a power of ten",
+        f"{'stage':<12} {'samples':>7} {'max':>9} {'p99':>9} {'median':>9} {'derived':>9}",
+    ]
+    for stage in STAGE_CLASSES:
+        values = measured.errors[stage]
+        if not values:
+            lines.append(f"{stage:<12} {0:>7} {'-':>9} {'-':>9} {'-':>9} {'-':>9}")
+            continue
+        array = np.asarray(values)
+        lines.append(
+            f"{stage:<12} {array.size:>7} {array.max():>9.1e} {np.percentile(array, 99):>9.1e} "
+            f"{np.median(array):>9.1e} {_format(measured.derived(stage)):>9}"
+        )
+    values_tolerance, gradient_tolerance = measured.derived_tolerance()
+    derived = f"values {_format(values_tolerance)}, gradients {_format(gradient_tolerance)}"
+    lines.append(f"derived table: {derived}")
+    if committed is not None:
+        pairs = ((values_tolerance, committed.values), (gradient_tolerance, committed.gradients))
+        holds = all(derived is None or derived <= bound for derived, bound in pairs)
+        verdict = "holds" if holds else "DOES NOT HOLD"
+        lines.append(
+            f"committed table ({measured.precision}): values {committed.values:.0e}, "
+            f"gradients {committed.gradients:.0e}: {verdict}"
+        )
+    if account is not None:
+        lines += [
+            "",
+            f"the seed's gradient check on its probe model "
+            f"({account.coordinates} coordinates, step 1e-6):",
+            f"  central-difference error against the oracle: "
+            f"max {account.numerical_error_max:.1e}, median {account.numerical_error_median:.1e}",
+            f"  the backend's analytic gradient against the oracle: "
+            f"max {account.analytic_error_max:.1e}",
+            f"  smallest analytic-gradient error tolerance {account.tolerance:g} is sure to catch: "
+            f"{account.smallest_caught:.1e}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def committed_tolerance(backend: Backend) -> Tolerance:
+    """The committed tolerance for the backend's declared precision."""
+    return tolerance_for(backend.precision)
