@@ -136,6 +136,33 @@ def _build_parser() -> _Parser:
         default="",
         help='extra pytest arguments, quoted as one string (for example "-x -k tying")',
     )
+    golden = commands.add_parser(
+        "golden",
+        help="regenerate the golden files from the reference, or check them",
+        description="Golden files: expected results of every golden case, with provenance.",
+    )
+    golden_actions = golden.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    golden_actions.required = True
+    regen = golden_actions.add_parser(
+        "regen", help="rewrite every golden file from the reference backend (atomically)"
+    )
+    check = golden_actions.add_parser(
+        "check", help="report stale, missing or hand-edited golden files (exit 1 if any)"
+    )
+    for action in (regen, check):
+        action.add_argument(
+            "--directory", help="the golden directory (default: the one shipped with the suite)"
+        )
+    regen.add_argument(
+        "--adapter",
+        default="reference",
+        help="must be 'reference': only the reference backend may write golden files",
+    )
+    check.add_argument(
+        "--no-recompute",
+        action="store_true",
+        help="check integrity and provenance only, without rerunning the reference",
+    )
     tolerances = commands.add_parser(
         "tolerances",
         help="show the committed tolerances, or derive them again from measurements",
@@ -367,7 +394,33 @@ def _run_tolerances(options: argparse.Namespace) -> str:
     return render_survey(measured, tolerance_for(backend.precision), account)
 
 
+def _run_golden(options: argparse.Namespace) -> str:
+    from pathlib import Path
+
+    from conformance.adapter import BackendLoadError, load_backend
+    from conformance.golden import check_golden, golden_directory, regenerate
+
+    directory = Path(options.directory) if options.directory else golden_directory()
+    if options.action == "regen":
+        try:
+            backend = load_backend(options.adapter)
+            names = regenerate(backend, directory)
+        except (BackendLoadError, PermissionError) as error:
+            raise CommandLineError(f"{PROGRAM} golden regen: {error}") from error
+        return f"regenerated {len(names)} golden files in {directory / 'cases'}\n"
+    reference = None if options.no_recompute else load_backend("reference")
+    problems, notes = check_golden(directory, recompute=reference)
+    lines = [f"note: {note}" for note in notes]
+    lines += [str(problem) for problem in problems]
+    if problems:
+        print("\n".join(lines), file=sys.stderr)
+        raise _SuiteExit(1)
+    lines.append(f"golden files in {directory}: all current and intact")
+    return "\n".join(lines) + "\n"
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], str]] = {
+    "golden": _run_golden,
     "report": _run_report,
     "rules": _run_rules,
     "tolerances": _run_tolerances,

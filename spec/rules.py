@@ -30,6 +30,7 @@ class RuleCategory(StrEnum):
     LOSS = "loss"
     VALUES = "values"
     GRADIENTS = "gradients"
+    GOLDEN = "golden"
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ RULES: tuple[Rule, ...] = (
     Rule("VALUE-SEED-FIXTURE", "The seed fixture's published stage rows, logits and loss are reproduced to six decimals.", C.VALUES, "seed: 'Inspect representative hidden rows and every logit'"),
     Rule("GRAD-FINITE", "The loss gives every parameter tensor a finite gradient.", C.GRADIENTS, _GRADCHECK),
     Rule("GRAD-ORACLE", "Every parameter scalar's gradient agrees with the high-precision oracle gradient within tolerance.", C.GRADIENTS, f"{_ROLES}; project rule (issue 6)"),
+    Rule("GOLDEN-VALUES", "On every golden case, every stage, the logits and the loss match the golden file within tolerance.", C.GOLDEN, "golden/ (issue 5)"),
+    Rule("GOLDEN-GRADIENTS", "On every golden case, every parameter's gradient matches the golden file within tolerance.", C.GOLDEN, "golden/ (issue 5)"),
     Rule("GRAD-SEED-CHECK", "The seed's central-difference check (step 1e-6, tolerance 2e-5) passes on its probe model.", C.GRADIENTS, _GRADCHECK),
 )
 del C
