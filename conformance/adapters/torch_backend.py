@@ -1,0 +1,266 @@
+"""A PyTorch backend: a plain ``torch.nn.Module`` written from the spec, float64 or float32.
+
+Parameters keep the spec's names and layouts (``x @ W`` with ``W`` stored ``[in, out]``), so
+``named_parameters()`` is the stable list. The table is one ``Parameter`` used for the lookup
+and, transposed, for the head; autograd adds both contributions. Like most framework code the
+module itself validates nothing: the adapter checks inputs with :mod:`spec.validation` first
+and turns a violation into a refusal, and builds parameters with :mod:`spec.recipe`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import nn
+
+from conformance.adapter import (
+    BackendBase,
+    Capability,
+    FloatArray,
+    ForwardOutput,
+    LossOutput,
+    Parameters,
+    Refusal,
+)
+from spec.config import DecoderConfig
+from spec.recipe import SplitMix64, initial_parameters
+from spec.tolerances import Precision
+from spec.validation import (
+    Violation,
+    config_violation,
+    loss_violation,
+    rebuild_violation,
+    token_violation,
+)
+
+__all__ = ["TorchBackend", "TorchDecoder", "TorchFloat32Backend"]
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * gain`` over the last axis."""
+
+    def __init__(self, width: int, epsilon: float) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+        self.epsilon = epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + self.epsilon) * self.gain
+
+
+class Linear(nn.Module):
+    """Bias-free ``x @ W`` with ``W`` stored ``[in, out]``, as the spec names it."""
+
+    def __init__(self, inputs: int, outputs: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(inputs, outputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the interleaved pairs (2j, 2j+1) of ``x [B, H, T, hw]``."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with RoPE on queries and keys."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        width = config.model_width
+        self.query, self.key = Linear(width, width), Linear(width, width)
+        self.value, self.output = Linear(width, width), Linear(width, width)
+        self.heads, self.base = config.heads, config.rope_base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        head_width = width // self.heads
+
+        def split(y: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, H, T, hw)
+            return y.view(batch, length, self.heads, head_width).transpose(1, 2)
+
+        exponents = torch.arange(head_width // 2, dtype=x.dtype) * (-2.0 / head_width)
+        angles = torch.arange(length, dtype=x.dtype)[:, None] * torch.pow(
+            torch.tensor(self.base, dtype=x.dtype), exponents
+        )
+        cos, sin = torch.cos(angles), torch.sin(angles)
+        query = rotate_interleaved(split(self.query(x)), cos, sin)
+        key = rotate_interleaved(split(self.key(x)), cos, sin)
+        scores = query @ key.transpose(-1, -2) / math.sqrt(head_width)
+        future = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+        weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        mixed = (weights @ split(self.value(x))).transpose(1, 2).reshape(batch, length, width)
+        result: torch.Tensor = self.output(mixed)
+        return result
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``down(silu(x @ W_gate) * (x @ W_up))``."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = (
+            Linear(width, hidden),
+            Linear(width, hidden),
+            Linear(hidden, width),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+        return result
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.model_width, config.rms_epsilon)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.model_width, config.rms_epsilon)
+        self.ffn = FeedForward(config.model_width, config.feed_forward_width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden: torch.Tensor = x + self.attention(self.attention_norm(x))
+        result: torch.Tensor = hidden + self.ffn(self.ffn_norm(hidden))
+        return result
+
+
+class Embedding(nn.Module):
+    """The token table, ``[V, d]``."""
+
+    def __init__(self, vocabulary: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(vocabulary, width))
+
+
+class TorchDecoder(nn.Module):
+    """Lookup, N blocks, final RMSNorm, and the tied head ``E^T``: one Parameter, two uses."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.token_embedding = Embedding(config.vocabulary_size, config.model_width)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.final_norm = RMSNorm(config.model_width, config.rms_epsilon)
+
+    def forward(
+        self, ids: torch.Tensor, *, detach_lookup: bool = False, detach_head: bool = False
+    ) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
+        table = self.token_embedding.weight
+        hidden = (table.detach() if detach_lookup else table)[ids]
+        stages = [("embedding", hidden)]
+        for layer, block in enumerate(self.blocks):
+            hidden = block(hidden)
+            stages.append((f"block-{layer}", hidden))
+        normalized = self.final_norm(hidden)
+        stages.append(("final-norm", normalized))
+        return stages, normalized @ (table.detach() if detach_head else table).T
+
+
+def _refuse(violation: Violation | None) -> None:
+    if violation is not None:
+        raise Refusal(violation.kind, f"refused: {violation.kind}", dict(violation.details))
+
+
+class TorchBackend(BackendBase):
+    """PyTorch in float64, every capability."""
+
+    name = "torch"
+    precision = Precision.FLOAT64
+    capabilities = frozenset(Capability)
+    dtype = torch.float64
+
+    def __init__(self) -> None:
+        self.version = torch.__version__
+
+    def build(
+        self, config: DecoderConfig, parameters: Parameters
+    ) -> tuple[DecoderConfig, TorchDecoder]:
+        entries = list(parameters)
+        _refuse(rebuild_violation(config, entries))
+        module = TorchDecoder(config).to(self.dtype)
+        with torch.no_grad():
+            for parameter, (_, value) in zip(module.parameters(), entries, strict=True):
+                parameter.copy_(
+                    torch.as_tensor(np.asarray(value, dtype=np.float64), dtype=self.dtype)
+                )
+        return config, module
+
+    def build_seeded(self, config: DecoderConfig, seed: int) -> tuple[DecoderConfig, TorchDecoder]:
+        _refuse(config_violation(config))
+        return self.build(config, initial_parameters(config, seed))
+
+    def initialize(
+        self, config: DecoderConfig, stream: SplitMix64
+    ) -> tuple[DecoderConfig, TorchDecoder]:
+        _refuse(config_violation(config))
+        trial = stream.clone()
+        model = self.build(config, initial_parameters(config, trial))
+        stream.adopt(trial)
+        return model
+
+    def parameters(self, model: tuple[DecoderConfig, TorchDecoder]) -> list[tuple[str, FloatArray]]:
+        return [
+            (name, p.detach().double().numpy().copy()) for name, p in model[1].named_parameters()
+        ]
+
+    def _ids(
+        self,
+        model: tuple[DecoderConfig, TorchDecoder],
+        tokens: npt.ArrayLike,
+        shape: tuple[int, int] | None,
+    ) -> torch.Tensor:
+        config = model[0]
+        _refuse(token_violation(config, tokens, shape))
+        array = np.asarray(tokens, dtype=np.int64)
+        return torch.as_tensor(array.reshape(shape) if shape is not None else array)
+
+    def forward(
+        self, model: Any, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
+    ) -> ForwardOutput:
+        ids = self._ids(model, tokens, shape)
+        with torch.no_grad():
+            stages, logits = model[1](ids)
+        return ForwardOutput(
+            logits=logits.double().numpy().copy(),
+            stages=[(name, value.double().numpy().copy()) for name, value in stages],
+        )
+
+    def loss(
+        self,
+        model: Any,
+        tokens: npt.ArrayLike,
+        targets: npt.ArrayLike,
+        *,
+        detach_lookup: bool = False,
+        detach_head: bool = False,
+    ) -> LossOutput:
+        config, module = model
+        _refuse(loss_violation(config, tokens, targets))
+        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+        labels = torch.as_tensor(np.asarray(targets, dtype=np.int64).reshape(-1))
+        module.zero_grad(set_to_none=True)
+        _, logits = module(ids, detach_lookup=detach_lookup, detach_head=detach_head)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, config.vocabulary_size), labels)
+        torch.autograd.backward([loss])
+        gradients = {
+            name: np.zeros(tuple(p.shape)) if p.grad is None else p.grad.double().numpy().copy()
+            for name, p in module.named_parameters()
+        }
+        module.zero_grad(set_to_none=True)
+        return LossOutput(loss=float(loss.item()), gradients=gradients)
+
+
+class TorchFloat32Backend(TorchBackend):
+    """The same module in float32."""
+
+    name = "torch-float32"
+    precision = Precision.FLOAT32
+    dtype = torch.float32
