@@ -183,6 +183,20 @@ def _build_parser() -> _Parser:
         "--configs", type=_positive_int, default=100, help="generated configurations (100)"
     )
     derive.add_argument("--seed", type=_non_negative_int, default=0, help="generator seed (0)")
+    mutants = commands.add_parser(
+        "mutants",
+        help="run the suite (profile ci) against every deliberately broken backend",
+        description=(
+            "Judge the mutant catalogue: each mutant must be killed by a rule related to its "
+            "mistake, and the correct controls must pass. Exit status 0 only then."
+        ),
+    )
+    mutants.add_argument("--list", action="store_true", help="list the mutants and exit")
+    mutants.add_argument("--only", nargs="+", metavar="NAME", help="judge only these mutants")
+    mutants.add_argument(
+        "--workers", type=_positive_int, default=2, help="mutants judged at once (2)"
+    )
+    mutants.add_argument("--no-controls", action="store_true", help="skip the correct controls")
     rules = commands.add_parser(
         "rules",
         help="list every rule of the specification (ID, category, statement, source)",
@@ -337,6 +351,7 @@ def _run_suite(options: argparse.Namespace) -> str:
         arguments = [
             # The user's own pytest configuration must not change what the suite checks.
             "-c", os.devnull, "--rootdir", str(package_parent), "-p", "no:cacheprovider",
+            "-p", "no:randomly",
             "--pyargs", "conformance", "-q",
             "--conformance-profile", options.profile,
             "--conformance-json", str(report_path),
@@ -419,8 +434,31 @@ def _run_golden(options: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_mutants(options: argparse.Namespace) -> str:
+    import time
+
+    from conformance.mutant_runner import render_matrix, run_catalogue
+    from conformance.mutants import MUTANTS
+
+    if options.list:
+        width = max(len(m.name) for m in MUTANTS)
+        return "\n".join(f"{m.name:<{width}}  {m.rule:<24}  {m.mistake}" for m in MUTANTS) + "\n"
+    started = time.perf_counter()
+    try:
+        results = run_catalogue(
+            workers=options.workers, only=options.only, controls=not options.no_controls
+        )
+    except KeyError as error:
+        raise CommandLineError(f"{PROGRAM} mutants: {error.args[0]}") from error
+    print(render_matrix(results, time.perf_counter() - started), end="")
+    if not all(result.as_expected for result in results):
+        raise _SuiteExit(1)
+    return ""
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], str]] = {
     "golden": _run_golden,
+    "mutants": _run_mutants,
     "report": _run_report,
     "rules": _run_rules,
     "tolerances": _run_tolerances,

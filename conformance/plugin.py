@@ -71,6 +71,18 @@ def _is_conformance_test(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     session = config.stash[_SESSION]
+    from spec.rules import RULES
+
+    # Rules run in registry order, specific before general (a RoPE slip fails VALUE-STAGES
+    # before GOLDEN-VALUES), so the first failure names the most telling rule.
+    position = {rule.id: index for index, rule in enumerate(RULES)}
+    conformance_items = [item for item in items if _is_conformance_test(item)]
+    if conformance_items:
+        ordered = sorted(
+            conformance_items, key=lambda item: position.get(session.rule_of(item), len(position))
+        )
+        others = [item for item in items if not _is_conformance_test(item)]
+        items[:] = ordered + others
     for item in items:
         if not _is_conformance_test(item):
             continue

@@ -6,7 +6,9 @@ settings from :func:`suite_settings`, so the project's own tests keep their prof
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+import os
+
+from hypothesis import HealthCheck, Phase, settings
 
 __all__ = ["PROFILES", "active_profile", "select_profile", "suite_settings"]
 
@@ -53,6 +55,14 @@ def active_profile() -> str:
 
 
 def suite_settings(*, cost: int = 1) -> settings:
-    """Settings for one property; ``cost`` > 1 divides the examples of an expensive one."""
+    """Settings for one property; ``cost`` > 1 divides the examples of an expensive one.
+
+    ``DECODER_CONFORMANCE_NO_SHRINK=1`` skips shrinking: the same examples run and fail, but
+    the first failure is reported as found (the mutant catalogue needs verdicts, not minimal
+    counterexamples).
+    """
     chosen = PROFILES[_active]
-    return settings(chosen, max_examples=max(2, chosen.max_examples // cost))
+    phases = chosen.phases
+    if os.environ.get("DECODER_CONFORMANCE_NO_SHRINK") == "1":
+        phases = tuple(phase for phase in phases if phase is not Phase.shrink)
+    return settings(chosen, max_examples=max(2, chosen.max_examples // cost), phases=phases)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,10 +20,13 @@ from spec.config import FIXTURE, DecoderConfig
 from spec.errors import ErrorCategory, ErrorKind
 from spec.strategies import (
     CONFIG_RULE_ORDER,
+    config_rule_pairs,
+    configs_breaking,
     invalid_configs,
     invalid_token_inputs,
     perturbed_parameter_lists,
 )
+from spec.validation import config_violation
 
 CONFIG_KINDS = (ErrorKind.CONFIG_FIELD_TYPE, *CONFIG_RULE_ORDER)
 TOKEN_SHAPE_KINDS = (
@@ -59,12 +63,17 @@ def test_each_configuration_rule_has_its_kind(
 
 @pytest.mark.rule("ERR-CONFIG-ORDER")
 @pytest.mark.needs(Capability.CONFIG_ERRORS)
-@suite_settings()
-@given(pair=invalid_configs(also_break_later=True))
+@pytest.mark.parametrize(("earlier", "later"), config_rule_pairs(), ids=str)
+@suite_settings(cost=5)
+@given(data=st.data())
 def test_first_broken_configuration_rule_wins(
-    backend: Backend, judge: Judge, pair: tuple[DecoderConfig, ErrorKind]
+    backend: Backend, judge: Judge, earlier: ErrorKind, later: ErrorKind, data: st.DataObject
 ) -> None:
-    _refuse_build(backend, judge, *pair)
+    """Every pair of configuration rules, broken together: the earlier one is reported."""
+    config = data.draw(configs_breaking(earlier, later))
+    expected = config_violation(config)
+    assert expected is not None  # the spec itself must see a violation here
+    _refuse_build(backend, judge, config, expected.kind)
 
 
 @pytest.mark.rule("ERR-CONFIG-DEPTH0")
@@ -125,12 +134,12 @@ def test_context_capacity_is_enforced(
 ) -> None:
     config, model = scenario.config, scenario.build(backend)
     full = np.zeros((scenario.tokens.shape[0], config.context), dtype=np.int64)
-    judge.on(dataclasses.replace(scenario.case(), tokens=full)).check(
-        backend.forward(model, full).logits.shape[1] == config.context,
-        "full-context logits length",
-        "wrong",
-        config.context,
-    )
+    try:
+        backend.forward(model, full)
+    except Exception as error:  # exactly as long as the context must be accepted
+        judge.on(dataclasses.replace(scenario.case(), tokens=full)).fail(
+            f"forward at the full context of {config.context}", repr(error), "accepted"
+        )
     too_long = np.zeros((scenario.tokens.shape[0], config.context + extra), dtype=np.int64)
     check = judge.on(dataclasses.replace(scenario.case(), tokens=too_long))
     check.refused(
@@ -177,14 +186,27 @@ def test_token_checks_run_in_order(
 ) -> None:
     tokens, shape, expected = data.draw(invalid_token_inputs(scenario.config))
     model = scenario.build(backend)
-    check = judge.on(
-        dataclasses.replace(
-            scenario.case("backend.forward(model, tokens, shape)"),
-            tokens=tokens,
-            notes={"shape": shape},
-        )
-    )
-    check.refused(lambda: backend.forward(model, tokens, shape), expected)
+    for bad, bad_shape, kind in [(tokens, shape, expected), *_token_rule_pairs(scenario)]:
+        case = scenario.case("backend.forward(model, tokens, shape)")
+        check = judge.on(dataclasses.replace(case, tokens=bad, notes={"shape": bad_shape}))
+        check.refused(functools.partial(backend.forward, model, bad, bad_shape), kind)
+
+
+def _token_rule_pairs(scenario: Scenario) -> list[tuple[Any, tuple[int, int] | None, ErrorKind]]:
+    """Inputs that break two token rules at once, with the earlier rule's kind."""
+    config, tokens = scenario.config, scenario.tokens
+    vocabulary, context = config.vocabulary_size, config.context
+    batch = tokens.shape[0]
+    bad_ids = tokens.copy()
+    bad_ids.flat[-1] = vocabulary
+    return [
+        (bad_ids.astype(np.float64), None, ErrorKind.TOKEN_DTYPE),  # dtype before ID
+        (bad_ids.reshape(-1), None, ErrorKind.TOKEN_RANK),  # rank before ID
+        (np.full((batch, context + 1), vocabulary), None, ErrorKind.CONTEXT_LENGTH_EXCEEDED),
+        (np.full((batch, context + 1), 0.5), None, ErrorKind.TOKEN_DTYPE),  # dtype before context
+        (bad_ids.reshape(-1)[:-1], tokens.shape, ErrorKind.TOKEN_COUNT_MISMATCH),  # count first
+        (np.zeros((batch, 0), dtype=np.int64), None, ErrorKind.EMPTY_TOKENS),
+    ]
 
 
 @pytest.mark.rule("ERR-TARGET-COUNT")
@@ -248,9 +270,17 @@ def test_loss_checks_tokens_then_count_then_ids(
     bad_short_targets = short_targets.copy()
     if bad_short_targets.size:
         bad_short_targets[0] = vocabulary
+    too_long = np.zeros((scenario.tokens.shape[0], scenario.config.context + 1), dtype=np.int64)
     cases = [
         (bad_tokens, short_targets, ErrorKind.TOKEN_ID_OUT_OF_BOUNDS),
         (scenario.tokens, bad_short_targets, ErrorKind.TARGET_COUNT_MISMATCH),
+        (too_long, short_targets, ErrorKind.CONTEXT_LENGTH_EXCEEDED),
+        (bad_tokens, scenario.targets.astype(np.float64), ErrorKind.TOKEN_ID_OUT_OF_BOUNDS),
+        (
+            scenario.tokens,
+            np.full(scenario.targets.shape, vocabulary + 0.5),
+            ErrorKind.TARGET_DTYPE,
+        ),
     ]
     for tokens, targets, expected in cases:
         check = judge.on(

@@ -167,20 +167,25 @@ class CausalSelfAttention:
         per_head = ops.reshape(x, (batch, tokens, self.heads, width // self.heads))  # (B,T,H,hw)
         return ops.transpose(per_head, 1, 2)  # (B, H, T, hw)
 
+    def _merge_heads(self, x: Tensor) -> Tensor:
+        batch, heads, tokens, head_width = x.shape
+        return ops.reshape(ops.transpose(x, 1, 2), (batch, tokens, heads * head_width))  # (B,T,d)
+
+    def _scores(self, query: Tensor, key: Tensor) -> Tensor:
+        """``q k^T / sqrt(hw)``, ``[B, H, T, T]``."""
+        return ops.divide(ops.matmul(query, ops.transpose(key, 2, 3)), math.sqrt(query.shape[-1]))
+
+    def _weights(self, scores: Tensor) -> Tensor:
+        """Softmax over keys, each query seeing only itself and earlier positions."""
+        return ops.causal_softmax(scores)
+
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """``[B, T, d]`` to ``[B, T, d]``; position ``t`` attends to keys ``0 .. t``."""
-        batch, tokens, width = x.shape
         query = self.rope.forward(self._split_heads(self.query.forward(x)), offset)
         key = self.rope.forward(self._split_heads(self.key.forward(x)), offset)
         value = self._split_heads(self.value.forward(x))
-        head_width = width // self.heads
-        scores = ops.divide(
-            ops.matmul(query, ops.transpose(key, 2, 3)), math.sqrt(head_width)
-        )  # (B, H, T, T)
-        weights = ops.causal_softmax(scores)
-        mixed = ops.matmul(weights, value)  # (B, H, T, hw)
-        merged = ops.reshape(ops.transpose(mixed, 1, 2), (batch, tokens, width))  # (B, T, d)
-        return self.output.forward(merged)
+        mixed = ops.matmul(self._weights(self._scores(query, key)), value)  # (B, H, T, hw)
+        return self.output.forward(self._merge_heads(mixed))
 
 
 class SwiGLU:

@@ -21,7 +21,9 @@ from spec.parameters import parameter_layout
 
 __all__ = [
     "CONFIG_RULE_ORDER",
+    "config_rule_pairs",
     "configs",
+    "configs_breaking",
     "invalid_configs",
     "invalid_token_inputs",
     "perturbed_parameter_lists",
@@ -221,6 +223,26 @@ def _choices(table: dict[str, ErrorKind], kinds: Collection[ErrorKind] | None) -
     if not chosen:
         raise ValueError(f"kinds={sorted(kinds or [])} names none of {sorted(set(table.values()))}")
     return chosen
+
+
+def config_rule_pairs() -> list[tuple[ErrorKind, ErrorKind]]:
+    """Every ordered pair (earlier, later) of configuration rules."""
+    order = CONFIG_RULE_ORDER
+    return [(a, b) for i, a in enumerate(order) for b in order[i + 1 :]]
+
+
+def configs_breaking(first: ErrorKind, second: ErrorKind) -> st.SearchStrategy[DecoderConfig]:
+    """Configurations that break both rules; the earlier of the two must be reported."""
+    if first not in CONFIG_RULE_ORDER or second not in CONFIG_RULE_ORDER:
+        raise ValueError(f"{first} and {second} must both be configuration rules")
+
+    @st.composite
+    def build(draw: st.DrawFn) -> DecoderConfig:
+        # The later rule first, so the earlier one's change wins on shared fields.
+        later, earlier = sorted((first, second), key=CONFIG_RULE_ORDER.index, reverse=True)
+        return _break(_break(draw(configs()), later, draw), earlier, draw)
+
+    return build()
 
 
 def invalid_token_inputs(

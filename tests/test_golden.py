@@ -159,7 +159,7 @@ def test_broken_reference_names_the_first_deviating_stage(tmp_path: Path) -> Non
     report = tmp_path / "report.json"
     result = subprocess.run(
         [sys.executable, "-m", "conformance.cli", "run", "--profile", "ci", "--json", str(report),
-         "--adapter", "tests.backends.broken_reference:RopeOnValues", "--pytest-args", "-k golden"],
+         "--adapter", "conformance.mutants.numerics:RopeOnValues", "--pytest-args", "-k golden"],
         capture_output=True, text=True, cwd=ROOT, check=False,
     )  # fmt: skip
     assert result.returncode == 1

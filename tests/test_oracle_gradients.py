@@ -130,11 +130,11 @@ def test_seed_check_account() -> None:
     ("backend", "first_wrong"),
     [
         (
-            "tests.backends.wrong_gradients:HeadlessTableGradient",
+            "conformance.mutants.structure:HiddenCopiedHead",
             "gradient of token_embedding.weight[",
         ),
         (
-            "tests.backends.wrong_gradients:NormWithoutMeanTerm",
+            "conformance.mutants.training:RmsBackwardWithoutMeanTerm",
             "gradient of token_embedding.weight[",
         ),
     ],

@@ -25,11 +25,11 @@ from spec.config import DecoderConfig
 from spec.recipe import SplitMix64
 from spec.tolerances import Precision
 
-__all__ = ["ReferenceBackend"]
+__all__ = ["ReferenceBackend", "refusals"]
 
 
 @contextmanager
-def _refusals() -> Iterator[None]:
+def refusals() -> Iterator[None]:
     """Turn the reference's exceptions into protocol refusals with their details."""
     try:
         yield
@@ -56,15 +56,15 @@ class ReferenceBackend(BackendBase):
     model_class: type[DecoderModel] = DecoderModel
 
     def build(self, config: DecoderConfig, parameters: Parameters) -> DecoderModel:
-        with _refusals():
+        with refusals():
             return self.model_class.from_parameters(config, parameters)
 
     def build_seeded(self, config: DecoderConfig, seed: int) -> DecoderModel:
-        with _refusals():
+        with refusals():
             return self.model_class.from_seed(config, seed)
 
     def initialize(self, config: DecoderConfig, stream: SplitMix64) -> DecoderModel:
-        with _refusals():
+        with refusals():
             return self.model_class.initialize(config, stream)
 
     def parameters(self, model: DecoderModel) -> list[tuple[str, FloatArray]]:
@@ -73,7 +73,7 @@ class ReferenceBackend(BackendBase):
     def forward(
         self, model: DecoderModel, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
     ) -> ForwardOutput:
-        with _refusals():
+        with refusals():
             result = model.forward(tokens, shape)
         return ForwardOutput(
             logits=result.logits.value.copy(),
@@ -89,7 +89,7 @@ class ReferenceBackend(BackendBase):
         detach_lookup: bool = False,
         detach_head: bool = False,
     ) -> LossOutput:
-        with _refusals():
+        with refusals():
             value = model.loss(
                 tokens, targets, detach_lookup=detach_lookup, detach_head=detach_head
             )
