@@ -7,9 +7,10 @@ missing optional extra breaks only the subcommand that needs it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from spec.config import FIXTURE
 
@@ -29,74 +30,8 @@ class _Parser(argparse.ArgumentParser):
         raise CommandLineError(f"{self.prog}: {message} (see --help)")
 
 
-def _id_rows(option: str, text: str) -> list[list[int]]:
-    """Parse ``"0,1,2;3,4,5"`` into rows of integer IDs."""
-    rows: list[list[int]] = []
-    for row_index, row_text in enumerate(text.split(";")):
-        row: list[int] = []
-        for item in (part.strip() for part in row_text.split(",")):
-            if not item and row_text.strip() == "":
-                continue
-            try:
-                row.append(int(item))
-            except ValueError:
-                raise CommandLineError(
-                    f"{PROGRAM} trace: {option}: row {row_index} has {item!r}, "
-                    'which is not an integer (expected rows like "0,1,2;3,4,5")'
-                ) from None
-        rows.append(row)
-    lengths = {len(row) for row in rows}
-    if len(lengths) > 1:
-        described = ", ".join(f"row {index} has {len(row)}" for index, row in enumerate(rows))
-        raise CommandLineError(
-            f"{PROGRAM} trace: {option}: every row needs the same number of IDs; {described}"
-        )
-    return rows
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not positive")
-    return value
-
-
-def _positive_real(text: str) -> float:
-    value = _real(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
-
-
-def _real(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-
-
-def _build_parser() -> _Parser:
-    parser = _Parser(
-        prog=PROGRAM,
-        description="Check tied-embedding decoder-only transformers against an executable spec.",
-    )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    commands.required = True
-    commands.add_parser(
-        "report",
-        help="print the seed chapter's 14-line learner report, computed by the reference",
-        description="Run the seed fixture through the reference and print the learner report.",
-    )
+def _add_suite_commands(commands: Any) -> None:
+    """run, golden, tolerances, bench and mutants: the commands that check backends."""
     run = commands.add_parser(
         "run",
         help="check a backend against every rule and print a rule-by-rule table",
@@ -183,6 +118,30 @@ def _build_parser() -> _Parser:
         "--configs", type=_positive_int, default=100, help="generated configurations (100)"
     )
     derive.add_argument("--seed", type=_non_negative_int, default=0, help="generator seed (0)")
+    bench = commands.add_parser(
+        "bench",
+        help="time forward + backward of the reference against PyTorch float64",
+        description=(
+            "Forward + backward of the reference and (when installed) PyTorch float64, each in "
+            "fresh processes with the same thread count: median times, their ratio, GFLOP/s "
+            "against this machine's matrix-multiply rate, peak memory, and how the cost grows."
+        ),
+    )
+    bench.add_argument(
+        "--sizes", default="small,medium,large", help="comma-separated: small, medium, large"
+    )
+    bench.add_argument(
+        "--threads", type=_positive_int, default=os.cpu_count() or 1, help="threads (all cores)"
+    )
+    bench.add_argument("--rounds", type=_positive_int, default=2, help="alternating rounds (2)")
+    bench.add_argument("--repeats", type=_positive_int, default=3, help="timed steps a round (3)")
+    bench.add_argument("--no-scaling", action="store_true", help="skip the scaling tables")
+    bench.add_argument(
+        "--tuned-allocator",
+        action="store_true",
+        help="raise glibc's mmap and trim thresholds for both backends (fewer page faults)",
+    )
+    bench.add_argument("--json", metavar="FILE", help="also write the measurements as JSON")
     mutants = commands.add_parser(
         "mutants",
         help="run the suite (profile ci) against every deliberately broken backend",
@@ -197,6 +156,77 @@ def _build_parser() -> _Parser:
         "--workers", type=_positive_int, default=2, help="mutants judged at once (2)"
     )
     mutants.add_argument("--no-controls", action="store_true", help="skip the correct controls")
+
+
+def _id_rows(option: str, text: str) -> list[list[int]]:
+    """Parse ``"0,1,2;3,4,5"`` into rows of integer IDs."""
+    rows: list[list[int]] = []
+    for row_index, row_text in enumerate(text.split(";")):
+        row: list[int] = []
+        for item in (part.strip() for part in row_text.split(",")):
+            if not item and row_text.strip() == "":
+                continue
+            try:
+                row.append(int(item))
+            except ValueError:
+                raise CommandLineError(
+                    f"{PROGRAM} trace: {option}: row {row_index} has {item!r}, "
+                    'which is not an integer (expected rows like "0,1,2;3,4,5")'
+                ) from None
+        rows.append(row)
+    lengths = {len(row) for row in rows}
+    if len(lengths) > 1:
+        described = ", ".join(f"row {index} has {len(row)}" for index, row in enumerate(rows))
+        raise CommandLineError(
+            f"{PROGRAM} trace: {option}: every row needs the same number of IDs; {described}"
+        )
+    return rows
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not positive")
+    return value
+
+
+def _positive_real(text: str) -> float:
+    value = _real(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def _real(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(
+        prog=PROGRAM,
+        description="Check tied-embedding decoder-only transformers against an executable spec.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+    commands.add_parser(
+        "report",
+        help="print the seed chapter's 14-line learner report, computed by the reference",
+        description="Run the seed fixture through the reference and print the learner report.",
+    )
+    _add_suite_commands(commands)
     rules = commands.add_parser(
         "rules",
         help="list every rule of the specification (ID, category, statement, source)",
@@ -366,7 +396,11 @@ def _run_suite(options: argparse.Namespace) -> str:
             if value:
                 arguments += [flag, value]
         if options.workers:
-            arguments += ["-n", str(options.workers)]
+            # Work stealing evens out the long tail of oracle-heavy properties; each worker
+            # computes on one thread so N workers share the cores instead of fighting for them.
+            arguments += ["-n", str(options.workers), "--dist", "worksteal"]
+            for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                os.environ.setdefault(variable, "1")
         arguments += shlex.split(options.pytest_args)
         status = pytest.main(arguments)
         if status not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
@@ -434,6 +468,31 @@ def _run_golden(options: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_bench(options: argparse.Namespace) -> str:
+    from pathlib import Path
+
+    from conformance.bench import SIZES, render_bench, run_bench
+
+    sizes = [name.strip() for name in options.sizes.split(",") if name.strip()]
+    unknown = [name for name in sizes if name not in SIZES]
+    if unknown or not sizes:
+        raise CommandLineError(
+            f"{PROGRAM} bench: --sizes takes {', '.join(SIZES)}, got {options.sizes!r}"
+        )
+    result = run_bench(
+        sizes=sizes,
+        threads=options.threads,
+        rounds=options.rounds,
+        repeats=options.repeats,
+        scaling=not options.no_scaling,
+        tuned_allocator=options.tuned_allocator,
+        progress=lambda text: print(text, file=sys.stderr, flush=True),
+    )
+    if options.json:
+        Path(options.json).write_text(result.as_json(), encoding="utf-8")
+    return render_bench(result)
+
+
 def _run_mutants(options: argparse.Namespace) -> str:
     import time
 
@@ -457,6 +516,7 @@ def _run_mutants(options: argparse.Namespace) -> str:
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], str]] = {
+    "bench": _run_bench,
     "golden": _run_golden,
     "mutants": _run_mutants,
     "report": _run_report,

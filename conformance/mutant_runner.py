@@ -58,6 +58,8 @@ def _run_one(adapter: str, backend_command: str | None, extra: list[str]) -> _Ru
         if backend_command:
             command += ["--backend-command", backend_command.format(python=sys.executable)]
         environment = {**os.environ, "DECODER_CONFORMANCE_NO_SHRINK": "1"}
+        for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            environment.setdefault(variable, "1")  # several suites share the cores
         started = time.perf_counter()
         result = subprocess.run(
             command, capture_output=True, text=True, env=environment, check=False, timeout=900

@@ -31,7 +31,7 @@ PROFILES: dict[str, settings] = {
         suppress_health_check=_QUIET_CHECKS,
     ),
     "default": settings(
-        max_examples=60, deadline=None, print_blob=True, suppress_health_check=_QUIET_CHECKS
+        max_examples=150, deadline=None, print_blob=True, suppress_health_check=_QUIET_CHECKS
     ),
     "thorough": settings(
         max_examples=300, deadline=None, print_blob=True, suppress_health_check=_QUIET_CHECKS

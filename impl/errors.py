@@ -23,6 +23,7 @@ __all__ = [
     "EmptyTokens",
     "EmptyVocabulary",
     "FinalNormFailure",
+    "GraphReleased",
     "InvalidRmsEpsilon",
     "InvalidRopeBase",
     "ModelWidthNotDivisible",
@@ -468,6 +469,20 @@ class BackwardSeedShape(DecoderModelError):
         return (
             f"backward seed must have the root's shape {list(self.expected)}, "
             f"got {list(self.actual)}"
+        )
+
+
+@dataclass(eq=False)
+class GraphReleased(DecoderModelError):
+    """``backward`` reached a node whose saved arrays an earlier backward released."""
+
+    KIND: ClassVar[ErrorKind] = ErrorKind.GRAPH_RELEASED
+    operation: str
+
+    def message(self) -> str:
+        return (
+            f"backward reached a '{self.operation}' node released by an earlier "
+            "backward(retain_graph=False); run the forward pass again"
         )
 
 

@@ -99,14 +99,11 @@ class RMSNorm:
 
     def forward(self, x: Tensor) -> Tensor:
         """Normalize every row; with epsilon 0 an all-zero row is refused, not a NaN."""
-        mean_square = ops.mean(ops.mul(x, x), axis=-1)
         if self.epsilon == 0.0:
-            zero_rows = np.flatnonzero(mean_square.value == 0.0)
+            zero_rows = np.flatnonzero(~np.any(x.value.reshape(-1, x.shape[-1]) != 0.0, axis=-1))
             if zero_rows.size:
                 raise RmsZeroMeanSquare(row=int(zero_rows[0]))
-        shifted = ops.add_constant(mean_square, self.epsilon)
-        inverse_root = ops.exp(ops.scale(ops.log(shifted), -0.5))
-        return ops.mul(ops.mul(x, inverse_root), self.gain.tensor)
+        return ops.rms_norm(x, self.gain.tensor, self.epsilon)
 
 
 class RotaryEmbedding:
@@ -172,20 +169,28 @@ class CausalSelfAttention:
         return ops.reshape(ops.transpose(x, 1, 2), (batch, tokens, heads * head_width))  # (B,T,d)
 
     def _scores(self, query: Tensor, key: Tensor) -> Tensor:
-        """``q k^T / sqrt(hw)``, ``[B, H, T, T]``."""
+        """``q k^T / sqrt(hw)``, ``[B, H, T, T]`` (the composed path)."""
         return ops.divide(ops.matmul(query, ops.transpose(key, 2, 3)), math.sqrt(query.shape[-1]))
 
     def _weights(self, scores: Tensor) -> Tensor:
         """Softmax over keys, each query seeing only itself and earlier positions."""
         return ops.causal_softmax(scores)
 
+    def _attend_composed(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """Attention from separate score, softmax and product nodes; the same arithmetic as
+        the fused operation, kept for variants that change one step."""
+        return ops.matmul(self._weights(self._scores(query, key)), value)
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """``softmax(q k^T / sqrt(hw), causal) v``, ``[B, H, T, hw]``, as one fused operation."""
+        return ops.causal_attention(query, key, value)
+
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """``[B, T, d]`` to ``[B, T, d]``; position ``t`` attends to keys ``0 .. t``."""
         query = self.rope.forward(self._split_heads(self.query.forward(x)), offset)
         key = self.rope.forward(self._split_heads(self.key.forward(x)), offset)
         value = self._split_heads(self.value.forward(x))
-        mixed = ops.matmul(self._weights(self._scores(query, key)), value)  # (B, H, T, hw)
-        return self.output.forward(self._merge_heads(mixed))
+        return self.output.forward(self._merge_heads(self._attend(query, key, value)))
 
 
 class SwiGLU:
@@ -198,7 +203,7 @@ class SwiGLU:
 
     def forward(self, x: Tensor) -> Tensor:
         """``[..., d]`` to ``[..., d]`` through a hidden width ``f``."""
-        hidden = ops.mul(ops.silu(self.gate.forward(x)), self.up.forward(x))  # (..., f)
+        hidden = ops.swiglu_product(self.gate.forward(x), self.up.forward(x))  # (..., f)
         return self.down.forward(hidden)
 
 

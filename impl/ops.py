@@ -8,6 +8,8 @@ in Python over batch, tokens, heads or features.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import numpy.typing as npt
 
@@ -16,6 +18,7 @@ from impl.tape import Array, Tensor
 __all__ = [
     "add",
     "add_constant",
+    "causal_attention",
     "causal_softmax",
     "divide",
     "exp",
@@ -26,9 +29,13 @@ __all__ = [
     "mean",
     "mul",
     "reshape",
+    "rms_norm",
     "rotary",
+    "rotate_pairs",
     "scale",
+    "sigmoid",
     "silu",
+    "swiglu_product",
     "transpose",
     "unbroadcast",
 ]
@@ -98,19 +105,25 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     """Matrix product over the last two axes, broadcasting leading axes."""
     if a.value.ndim < 2 or b.value.ndim < 2:
         raise ValueError(f"matmul needs rank >= 2 operands, got {list(a.shape)} @ {list(b.shape)}")
+    shared_weight = b.value.ndim == 2 and a.value.ndim > 2
+    if shared_weight:
+        # [..., n] @ [n, m]: one large product over all rows beats one per leading index.
+        inner, outer = b.shape
+        value = (a.value.reshape(-1, inner) @ b.value).reshape(*a.shape[:-1], outer)
+    else:
+        value = a.value @ b.value
 
     def vjp(g: Array) -> tuple[Array, Array]:
-        grad_a = unbroadcast(g @ np.swapaxes(b.value, -1, -2), a.shape)
         if b.value.ndim == 2:
-            # A shared weight: fold every leading axis into one product instead of
-            # materialising a per-batch gradient and summing it.
             inner, outer = b.shape
-            grad_b = a.value.reshape(-1, inner).T @ g.reshape(-1, outer)
-        else:
-            grad_b = unbroadcast(np.swapaxes(a.value, -1, -2) @ g, b.shape)
-        return grad_a, grad_b
+            rows = g.reshape(-1, outer)
+            grad_a = (rows @ b.value.T).reshape(a.shape) if shared_weight else g @ b.value.T
+            grad_b = a.value.reshape(-1, inner).T @ rows
+            return grad_a, grad_b
+        grad_a = unbroadcast(g @ np.swapaxes(b.value, -1, -2), a.shape)
+        return grad_a, unbroadcast(np.swapaxes(a.value, -1, -2) @ g, b.shape)
 
-    return Tensor.from_operation(a.value @ b.value, (a, b), vjp, "matmul")
+    return Tensor.from_operation(value, (a, b), vjp, "matmul")
 
 
 def transpose(a: Tensor, axis1: int, axis2: int) -> Tensor:
@@ -160,21 +173,22 @@ def exp(a: Tensor) -> Tensor:
     return Tensor.from_operation(value, (a,), vjp, "exp")
 
 
-def _sigmoid(u: Array) -> Array:
-    # exp(-|u|) never overflows; both branches share it.
-    decay = np.exp(-np.abs(u))
-    result: Array = np.where(u >= 0, 1.0 / (1.0 + decay), decay / (1.0 + decay))
+def sigmoid(u: Array) -> Array:
+    """``1 / (1 + exp(-u))`` as ``(1 + tanh(u / 2)) / 2``: one transcendental, no overflow."""
+    result: Array = np.tanh(0.5 * u)
+    result += 1.0
+    result *= 0.5
     return result
 
 
 def silu(a: Tensor) -> Tensor:
     """``u * sigmoid(u)``."""
-    sigmoid = _sigmoid(a.value)
+    sigmoids = sigmoid(a.value)
 
     def vjp(g: Array) -> tuple[Array]:
-        return (g * (sigmoid * (1.0 + a.value * (1.0 - sigmoid))),)
+        return (g * (sigmoids * (1.0 + a.value * (1.0 - sigmoids))),)
 
-    return Tensor.from_operation(a.value * sigmoid, (a,), vjp, "silu")
+    return Tensor.from_operation(a.value * sigmoids, (a,), vjp, "silu")
 
 
 def gather_rows(table: Tensor, ids: IndexArray) -> Tensor:
@@ -189,28 +203,31 @@ def gather_rows(table: Tensor, ids: IndexArray) -> Tensor:
     return Tensor.from_operation(table.value[ids], (table,), vjp, "gather_rows")
 
 
+def rotate_pairs(values: Array, cos: Array, sin: Array) -> Array:
+    """``(a, b) -> (a cos - b sin, a sin + b cos)`` on interleaved pairs (2j, 2j+1) of the last
+    axis; ``-sin`` rotates back. A new array."""
+    first, second = values[..., 0::2], values[..., 1::2]
+    rotated = np.empty_like(values)
+    even, odd = rotated[..., 0::2], rotated[..., 1::2]
+    np.multiply(first, cos, out=even)
+    even -= second * sin
+    np.multiply(first, sin, out=odd)
+    odd += second * cos
+    return rotated
+
+
 def rotary(x: Tensor, cos: Array, sin: Array) -> Tensor:
     """Rotate interleaved feature pairs (2j, 2j+1) of ``x [..., T, hw]`` by per-position angles.
 
     ``cos`` and ``sin`` are ``[T, hw/2]``. Interleaved neighbours, not the "rotate half"
     layout some libraries use (RECIPE.md, RoPE).
     """
-    pairs_shape = (*x.shape[:-1], x.shape[-1] // 2, 2)
-
-    def rotate(values: Array, sin_sign: float) -> Array:
-        pairs = values.reshape(pairs_shape)
-        first, second = pairs[..., 0], pairs[..., 1]
-        signed_sin = sin_sign * sin
-        rotated = np.stack(
-            (first * cos - second * signed_sin, first * signed_sin + second * cos), axis=-1
-        )
-        return rotated.reshape(values.shape)
 
     def vjp(g: Array) -> tuple[Array]:
         # A rotation's transpose is the rotation by the opposite angle.
-        return (rotate(g, -1.0),)
+        return (rotate_pairs(g, cos, -sin),)
 
-    return Tensor.from_operation(rotate(x.value, 1.0), (x,), vjp, "rotary")
+    return Tensor.from_operation(rotate_pairs(x.value, cos, sin), (x,), vjp, "rotary")
 
 
 def causal_softmax(scores: Tensor) -> Tensor:
@@ -233,15 +250,116 @@ def indexed_mean_nll(logits: Tensor, targets: IndexArray) -> Tensor:
     rows = logits.value.reshape(-1, vocabulary)
     picked = np.arange(rows.shape[0])
     row_max = rows.max(axis=-1, keepdims=True)
-    shifted = np.exp(rows - row_max)
+    shifted = rows - row_max
+    np.exp(shifted, out=shifted)
     totals = shifted.sum(axis=-1, keepdims=True)
     log_sum_exp = (row_max + np.log(totals))[:, 0]
     value = np.asarray(np.mean(log_sum_exp - rows[picked, targets]), dtype=np.float64)
 
     def vjp(g: Array) -> tuple[Array]:
-        grad = shifted / totals
+        grad = shifted / totals  # a fresh array: the saved exponentials stay intact
         grad[picked, targets] -= 1.0
         grad *= g / rows.shape[0]
         return (grad.reshape(logits.shape),)
 
     return Tensor.from_operation(value, (logits,), vjp, "indexed_mean_nll")
+
+
+def rms_norm(x: Tensor, gain: Tensor, epsilon: float) -> Tensor:
+    """``x * exp(-0.5 log(mean(x^2) + eps)) * gain`` over the last axis, as one operation.
+
+    The same arithmetic as composing mul, mean, log, exp; fused so the backward pass needs no
+    chain of intermediate nodes:
+    ``dx = r (g gain) - x r^3 mean((g gain) x)``, ``dgain = sum(g x r)``.
+    """
+    width = x.shape[-1]
+    mean_square = (x.value * x.value).mean(axis=-1, keepdims=True)
+    inverse_root = np.exp(-0.5 * np.log(mean_square + epsilon))
+    normalized = x.value * inverse_root
+    value = normalized * gain.value
+
+    def vjp(g: Array) -> tuple[Array, Array]:
+        scaled = g * gain.value
+        projection = (scaled * x.value).sum(axis=-1, keepdims=True)
+        projection *= inverse_root**3 / width
+        grad_x = scaled * inverse_root
+        grad_x -= x.value * projection
+        grad_gain = (g * normalized).reshape(-1, width).sum(axis=0)
+        return grad_x, grad_gain
+
+    return Tensor.from_operation(value, (x, gain), vjp, "rms_norm")
+
+
+def swiglu_product(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` as one operation (the SwiGLU hidden activation)."""
+    sigmoids = sigmoid(gate.value)
+    activated = gate.value * sigmoids
+
+    def vjp(g: Array) -> tuple[Array, Array]:
+        grad_gate = 1.0 - sigmoids
+        grad_gate *= gate.value
+        grad_gate += 1.0
+        grad_gate *= sigmoids
+        grad_gate *= up.value
+        grad_gate *= g
+        return grad_gate, g * activated
+
+    return Tensor.from_operation(activated * up.value, (gate, up), vjp, "swiglu_product")
+
+
+_FUTURE_MASKS: dict[int, npt.NDArray[np.bool_]] = {}
+
+
+def future_mask(length: int) -> npt.NDArray[np.bool_]:
+    """The ``[T, T]`` mask of keys after each query, built once per length."""
+    mask = _FUTURE_MASKS.get(length)
+    if mask is None:
+        mask = np.triu(np.ones((length, length), dtype=bool), k=1)
+        mask.flags.writeable = False
+        _FUTURE_MASKS[length] = mask
+    return mask
+
+
+def causal_weights(query: Array, key_transposed: Array) -> Array:
+    """``softmax(q k^T / sqrt(hw))`` with keys after each query masked, ``[..., T, T]``."""
+    future = future_mask(query.shape[-2])
+    weights: Array = query @ key_transposed
+    weights /= math.sqrt(query.shape[-1])
+    np.copyto(weights, -np.inf, where=future)
+    weights -= weights.max(axis=-1, keepdims=True)
+    # exp(-inf) is 0, but special values take exp's slow path: exponentiate zeros there and
+    # clear them after. Every visible weight is computed exactly as before.
+    np.copyto(weights, 0.0, where=future)
+    np.exp(weights, out=weights)
+    np.copyto(weights, 0.0, where=future)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return weights
+
+
+def score_gradient(g: Array, weights: Array, value_transposed: Array) -> Array:
+    """d loss / d scores (already divided by sqrt(hw)) for ``out = weights @ v``."""
+    gradient: Array = g @ value_transposed
+    gradient -= (gradient * weights).sum(axis=-1, keepdims=True)
+    gradient *= weights
+    gradient /= math.sqrt(g.shape[-1])
+    return gradient
+
+
+def causal_attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """``softmax(q k^T / sqrt(hw), keys after the query masked) v`` for ``[B, H, T, hw]``.
+
+    The scores, the mask, the softmax and the weighted sum as one operation: the forward
+    arithmetic of :func:`causal_softmax` over :func:`matmul`, with one saved matrix.
+    """
+    weights = causal_weights(query.value, np.ascontiguousarray(np.swapaxes(key.value, -1, -2)))
+
+    def vjp(g: Array) -> tuple[Array, Array, Array]:
+        scores = score_gradient(g, weights, np.ascontiguousarray(np.swapaxes(value.value, -1, -2)))
+        grad_query = scores @ key.value
+        grad_key = np.swapaxes(scores, -1, -2) @ query.value
+        grad_value = np.swapaxes(weights, -1, -2) @ g
+        return grad_query, grad_key, grad_value
+
+    return Tensor.from_operation(
+        weights @ value.value, (query, key, value), vjp, "causal_attention"
+    )

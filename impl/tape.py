@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from impl.errors import BackwardSeedShape
+from impl.errors import BackwardSeedShape, GraphReleased
 
 __all__ = ["Array", "Tensor", "VectorJacobian"]
 
@@ -90,11 +90,12 @@ class Tensor:
         """Forget the accumulated gradient."""
         self.grad = None
 
-    def backward(self, seed: npt.ArrayLike | None = None) -> None:
+    def backward(self, seed: npt.ArrayLike | None = None, *, retain_graph: bool = True) -> None:
         """Accumulate d(self)/d(leaf), weighted by ``seed``, into every reachable leaf.
 
         Without a seed the node must be a scalar and the seed is 1. The seed is checked
-        before any gradient is touched.
+        before any gradient is touched. ``retain_graph=False`` releases each node's saved
+        arrays as soon as its rule has run (less memory; the graph cannot run backward again).
         """
         if seed is None:
             if self._value.size != 1:
@@ -106,8 +107,11 @@ class Tensor:
                 raise BackwardSeedShape(expected=self.shape, actual=tuple(upstream.shape))
         if not self.requires_grad:
             return
+        order = _topological_order(self)
+        if any(node._vjp is _released for node in order):
+            raise GraphReleased(operation=next(n.op for n in order if n._vjp is _released))
         pending: dict[int, Array] = {id(self): upstream}
-        for node in reversed(_topological_order(self)):
+        for node in reversed(order):
             gradient = pending.pop(id(node), None)
             if gradient is None:
                 continue
@@ -119,9 +123,17 @@ class Tensor:
                     continue
                 key = id(parent)
                 pending[key] = contribution if key not in pending else pending[key] + contribution
+            if not retain_graph:
+                node._vjp = _released
+                node._parents = ()
 
     def __repr__(self) -> str:
         return f"Tensor(op={self.op!r}, shape={list(self.shape)})"
+
+
+def _released(gradient: Array) -> Sequence[Array | None]:
+    """The rule of a node whose saved arrays were released (never called: checked first)."""
+    raise AssertionError("a released node's rule was called")
 
 
 def _topological_order(root: Tensor) -> list[Tensor]:

@@ -66,6 +66,7 @@ class ErrorKind(StrEnum):
     RMS_ZERO_MEAN_SQUARE = "rms-zero-mean-square"
     # Misuse of the autodiff tape.
     BACKWARD_SEED_SHAPE = "backward-seed-shape"
+    GRAPH_RELEASED = "graph-released"
 
     @property
     def category(self) -> ErrorCategory:
@@ -118,4 +119,5 @@ _CATEGORY_OF: dict[ErrorKind, ErrorCategory] = {
     ErrorKind.TARGET_ID_OUT_OF_BOUNDS: ErrorCategory.TARGET_ID,
     ErrorKind.RMS_ZERO_MEAN_SQUARE: ErrorCategory.NUMERIC,
     ErrorKind.BACKWARD_SEED_SHAPE: ErrorCategory.TAPE,
+    ErrorKind.GRAPH_RELEASED: ErrorCategory.TAPE,
 }

@@ -97,6 +97,14 @@ def zero_row_model(layers: int) -> Callable[[World], object]:
     return action
 
 
+def _released_loss(world: World) -> Any:
+    loss = world.model.loss(TOKENS, TARGETS)
+    loss.backward(retain_graph=False)
+    world.model.zero_grad()
+    world.model.loss(TOKENS, TARGETS).backward()  # gradients exist again, to prove untouched
+    return loss
+
+
 # (case id, action, kind, expected attributes)
 CASES: list[tuple[str, Callable[[World], object], ErrorKind, dict[str, Any]]] = [
     ("float-field", build(with_config(heads=2.0)), ErrorKind.CONFIG_FIELD_TYPE, {"field": "heads"}),
@@ -328,6 +336,12 @@ CASES: list[tuple[str, Callable[[World], object], ErrorKind, dict[str, Any]]] = 
         {"layer": 0, "component": "attention RMSNorm"},
     ),
     ("zero-row-final", zero_row_model(layers=0), ErrorKind.RMS_ZERO_MEAN_SQUARE, {}),
+    (
+        "backward-after-release",
+        lambda w: _released_loss(w).backward(),
+        ErrorKind.GRAPH_RELEASED,
+        {"operation": "indexed_mean_nll"},
+    ),
     (
         "backward-non-scalar",
         lambda w: w.model.forward(TOKENS).logits.backward(),

@@ -135,6 +135,9 @@ def _non_causal_softmax(scores: Tensor) -> Tensor:
 
 
 def test_causality_line_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    from impl.layers import CausalSelfAttention
+
+    monkeypatch.setattr(CausalSelfAttention, "_attend", CausalSelfAttention._attend_composed)
     monkeypatch.setattr(ops, "causal_softmax", _non_causal_softmax)
     trace = render_trace(collect_evidence(FIXTURE))
     assert "causality prefix_0_bitwise=false prefix_1_bitwise=false suffix_changed=true" in trace

@@ -222,3 +222,53 @@ def test_backward_seed_shape_is_refused_and_changes_nothing(
     assert (caught.value.expected, caught.value.actual) == (expected, actual)
     assert before is not None and leaf.grad is not None
     np.testing.assert_array_equal(leaf.grad, before)
+
+
+@given(
+    batch=small,
+    length=small,
+    width=st.sampled_from([2, 4, 6]),
+    epsilon=st.sampled_from([1e-6, 0.25]),
+    seed=seeds,
+)
+def test_fused_rms_norm(batch: int, length: int, width: int, epsilon: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x, gain = rng.normal(size=(batch, length, width)), rng.normal(size=width)
+    assert_gradients_match(lambda a, b: ops.rms_norm(a, b, epsilon), [x, gain], seed)
+    composed = ops.mul(
+        ops.mul(
+            Tensor(x),
+            ops.exp(
+                ops.scale(
+                    ops.log(
+                        ops.add_constant(ops.mean(ops.mul(Tensor(x), Tensor(x)), axis=-1), epsilon)
+                    ),
+                    -0.5,
+                )
+            ),
+        ),
+        Tensor(gain),
+    )
+    assert (
+        ops.rms_norm(Tensor(x), Tensor(gain), epsilon).value.tobytes() == composed.value.tobytes()
+    )
+
+
+@given(shape=st.tuples(small, small, small), seed=seeds)
+def test_fused_swiglu_product(shape: tuple[int, int, int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    gate, up = rng.normal(scale=4.0, size=shape), rng.normal(size=shape)
+    assert_gradients_match(ops.swiglu_product, [gate, up], seed)
+    composed = ops.mul(ops.silu(Tensor(gate)), Tensor(up)).value
+    assert ops.swiglu_product(Tensor(gate), Tensor(up)).value.tobytes() == composed.tobytes()
+
+
+@given(batch=small, heads=small, length=small, width=small, seed=seeds)
+def test_fused_causal_attention(batch: int, heads: int, length: int, width: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.normal(size=(batch, heads, length, width)) for _ in range(3))
+    assert_gradients_match(ops.causal_attention, [q, k, v], seed)
+    scores = ops.divide(ops.matmul(Tensor(q), ops.transpose(Tensor(k), 2, 3)), np.sqrt(width))
+    composed = ops.matmul(ops.causal_softmax(scores), Tensor(v)).value
+    fused = ops.causal_attention(Tensor(q), Tensor(k), Tensor(v)).value
+    assert np.max(np.abs(fused - composed)) <= 1e-14

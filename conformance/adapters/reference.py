@@ -94,7 +94,7 @@ class ReferenceBackend(BackendBase):
                 tokens, targets, detach_lookup=detach_lookup, detach_head=detach_head
             )
         model.zero_grad()
-        value.backward()
+        value.backward(retain_graph=False)
         # A parameter the loss does not reach has gradient zero, not "none".
         gradients = {
             name: np.zeros(shape) if gradient is None else gradient

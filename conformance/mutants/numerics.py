@@ -36,6 +36,8 @@ def _future(length: int, diagonal: int) -> npt.NDArray[np.bool_]:
 
 
 class _SeesNextToken(CausalSelfAttention):
+    _attend = CausalSelfAttention._attend_composed
+
     def _weights(self, scores: Tensor) -> Tensor:
         length = scores.shape[-1]
         return _masked_softmax(scores, _future(length, 2), -math.inf)
@@ -52,6 +54,8 @@ class MaskSeesNextToken(MutantBackend):
 
 
 class _FiniteMask(CausalSelfAttention):
+    _attend = CausalSelfAttention._attend_composed
+
     def _weights(self, scores: Tensor) -> Tensor:
         length = scores.shape[-1]
         return _masked_softmax(scores, _future(length, 1), -30.0)
@@ -73,8 +77,7 @@ class _KeysOneAhead(CausalSelfAttention):
         query = self.rope.forward(self._split_heads(self.query.forward(x)), offset)
         key = self.rope.forward(self._split_heads(self.key.forward(x)), offset + 1)  # the slip
         value = self._split_heads(self.value.forward(x))
-        mixed = ops.matmul(self._weights(self._scores(query, key)), value)
-        return self.output.forward(self._merge_heads(mixed))
+        return self.output.forward(self._merge_heads(self._attend(query, key, value)))
 
 
 class RopeKeysOneAhead(MutantBackend):
@@ -143,8 +146,7 @@ class _RopeOnValues(CausalSelfAttention):
         query = self.rope.forward(self._split_heads(self.query.forward(x)), offset)
         key = self.rope.forward(self._split_heads(self.key.forward(x)), offset)
         value = self.rope.forward(self._split_heads(self.value.forward(x)), offset)  # the mistake
-        mixed = ops.matmul(self._weights(self._scores(query, key)), value)
-        return self.output.forward(self._merge_heads(mixed))
+        return self.output.forward(self._merge_heads(self._attend(query, key, value)))
 
 
 class RopeOnValues(MutantBackend):
@@ -155,6 +157,8 @@ class RopeOnValues(MutantBackend):
 
 
 class _ScaledByModelWidth(CausalSelfAttention):
+    _attend = CausalSelfAttention._attend_composed
+
     def _scores(self, query: Tensor, key: Tensor) -> Tensor:
         width = query.shape[-1] * self.heads
         return ops.divide(ops.matmul(query, ops.transpose(key, 2, 3)), math.sqrt(width))

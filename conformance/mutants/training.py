@@ -115,6 +115,7 @@ class GradientsAccumulateAcrossCalls(MutantBackend):
 
 class _NoisyAttention(CausalSelfAttention):
     generator = np.random.default_rng()
+    _attend = CausalSelfAttention._attend_composed
 
     def _scores(self, query: Tensor, key: Tensor) -> Tensor:
         scores = super()._scores(query, key)
@@ -184,6 +185,8 @@ def _softmax_without_sum_term(scores: Tensor) -> Tensor:
 
 
 class _SoftmaxBackwardWithoutSum(CausalSelfAttention):
+    _attend = CausalSelfAttention._attend_composed
+
     def _weights(self, scores: Tensor) -> Tensor:
         return _softmax_without_sum_term(scores)
 

@@ -1,0 +1,238 @@
+"""``decoder-conformance bench``: forward + backward of the reference against PyTorch float64.
+
+Every measurement runs in a fresh process (``conformance.bench_worker``) with the same thread
+count for numpy's BLAS and for torch; the two backends alternate, and each figure is the median
+of all timed steps. The machine's own float64 matrix-multiply rate is measured in the same run,
+so achieved GFLOP/s can be read against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from importlib.util import find_spec
+from typing import Any
+
+from spec.config import FIXTURE, DecoderConfig
+
+__all__ = ["SIZES", "BenchResult", "forward_backward_flops", "render_bench", "run_bench"]
+
+SIZES: dict[str, tuple[DecoderConfig, int, int]] = {
+    "small": (FIXTURE.config, 1, 3),
+    "medium": (DecoderConfig(4096, 256, 8, 688, 4, 128), 4, 128),
+    "large": (DecoderConfig(32000, 512, 8, 1376, 8, 512), 2, 512),
+}
+# Scaling studies on the medium model: sequence length at batch 1, depth at batch 4 x 128.
+TOKEN_STEPS = (64, 128, 256, 512, 1024)
+LAYER_STEPS = (1, 2, 4, 8, 16)
+
+
+def forward_backward_flops(config: DecoderConfig, batch: int, length: int) -> float:
+    """Matrix-product FLOPs of one forward + backward pass (backward = 2 x forward)."""
+    d, f, v = config.model_width, config.feed_forward_width, config.vocabulary_size
+    rows = batch * length
+    per_block = 2 * rows * (4 * d * d + 3 * d * f) + 2 * 2 * batch * length * length * d
+    forward = config.layers * per_block + 2 * rows * d * v
+    return 3.0 * forward
+
+
+@dataclass
+class Measurement:
+    """One backend at one size: every timed step and the working set of a step."""
+
+    seconds: list[float] = field(default_factory=list)
+    peak_mib: float | None = None
+
+    @property
+    def median(self) -> float:
+        """The median step time."""
+        return statistics.median(self.seconds) if self.seconds else float("nan")
+
+
+@dataclass
+class BenchResult:
+    """Everything one bench run measured."""
+
+    threads: int
+    matmul_gflops: float
+    allocator: str
+    sizes: dict[str, dict[str, Measurement]] = field(default_factory=dict)
+    tokens: dict[int, dict[str, Measurement]] = field(default_factory=dict)
+    layers: dict[int, dict[str, Measurement]] = field(default_factory=dict)
+
+    def as_json(self) -> str:
+        """The result as JSON."""
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+
+def _environment(threads: int, tuned_allocator: bool) -> dict[str, str]:
+    environment = dict(os.environ)
+    for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        environment[variable] = str(threads)
+    if tuned_allocator:
+        # Keep freed memory for reuse instead of returning it to the kernel (glibc): fewer
+        # page faults for numpy's many large temporaries. Applied to both backends alike.
+        environment["MALLOC_MMAP_THRESHOLD_"] = str(2**30)
+        environment["MALLOC_TRIM_THRESHOLD_"] = str(2**30)
+    return environment
+
+
+def _worker(arguments: list[str], environment: dict[str, str]) -> dict[str, Any]:
+    command = [sys.executable, "-m", "conformance.bench_worker", *arguments]
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=environment, check=False, timeout=3600
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"bench worker failed: {' '.join(arguments)}\n{result.stderr[-2000:]}")
+    parsed: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return parsed
+
+
+def _measure(
+    config: DecoderConfig,
+    batch: int,
+    length: int,
+    backends: list[str],
+    *,
+    rounds: int,
+    repeats: int,
+    threads: int,
+    environment: dict[str, str],
+) -> dict[str, Measurement]:
+    measured = {backend: Measurement() for backend in backends}
+    for _ in range(rounds):
+        for backend in backends:  # alternate, so drift in the machine's speed hits both
+            job = [
+                "--backend", backend, "--config", json.dumps(config.as_dict()),
+                "--batch", str(batch), "--tokens", str(length),
+                "--repeats", str(repeats), "--threads", str(threads),
+            ]  # fmt: skip
+            answer = _worker(job, environment)
+            measured[backend].seconds.extend(answer["seconds"])
+            peak = answer.get("peak_mib")
+            if peak is not None:
+                previous = measured[backend].peak_mib
+                measured[backend].peak_mib = peak if previous is None else max(previous, peak)
+    return measured
+
+
+def run_bench(
+    *,
+    sizes: list[str],
+    threads: int,
+    rounds: int = 2,
+    repeats: int = 3,
+    scaling: bool = True,
+    tuned_allocator: bool = False,
+    progress: Any = None,
+) -> BenchResult:
+    """Measure the reference (and torch, when installed) at the given sizes and scalings."""
+    environment = _environment(threads, tuned_allocator)
+    backends = ["reference", *(["torch"] if find_spec("torch") is not None else [])]
+    rate = _worker(["--backend", "matmul", "--threads", str(threads)], environment)["gflops"]
+    result = BenchResult(threads, rate, "tuned" if tuned_allocator else "default")
+    say = progress or (lambda text: None)
+    for name in sizes:
+        config, batch, length = SIZES[name]
+        say(f"size {name} ...")
+        result.sizes[name] = _measure(
+            config,
+            batch,
+            length,
+            backends,
+            rounds=rounds,
+            repeats=repeats,
+            threads=threads,
+            environment=environment,
+        )
+    if scaling:
+        medium, batch, length = SIZES["medium"]
+        for tokens in TOKEN_STEPS:
+            say(f"tokens {tokens} ...")
+            config = dataclasses.replace(medium, context=max(tokens, medium.context))
+            result.tokens[tokens] = _measure(
+                config,
+                1,
+                tokens,
+                backends,
+                rounds=1,
+                repeats=repeats,
+                threads=threads,
+                environment=environment,
+            )
+        for layers in LAYER_STEPS:
+            say(f"layers {layers} ...")
+            config = dataclasses.replace(medium, layers=layers)
+            result.layers[layers] = _measure(
+                config,
+                batch,
+                length,
+                backends,
+                rounds=1,
+                repeats=repeats,
+                threads=threads,
+                environment=environment,
+            )
+    return result
+
+
+def _rate(flops: float, measured: Measurement | None, result: BenchResult) -> str:
+    """Achieved GFLOP/s, and its share of the machine's matrix-multiply rate."""
+    if measured is None:
+        return "-"
+    achieved = flops / measured.median / 1e9
+    return f"{achieved:.1f} ({100 * achieved / result.matmul_gflops:.0f}%)"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+
+def render_bench(result: BenchResult) -> str:
+    """The size table and the two scaling tables."""
+    lines = [
+        f"threads {result.threads} (numpy's BLAS and torch alike); allocator {result.allocator}; "
+        f"this machine's float64 matrix multiply: {result.matmul_gflops:.1f} GFLOP/s",
+        f"{'size':<7} {'reference':>10} {'torch':>9} {'ref/torch':>9} {'ref GFLOP/s':>14} "
+        f"{'torch GFLOP/s':>14} {'ref MiB':>8} {'torch MiB':>9} {'mem ratio':>9}",
+    ]
+    for name, measured in result.sizes.items():
+        config, batch, length = SIZES[name]
+        flops = forward_backward_flops(config, batch, length)
+        ref, torch = measured["reference"], measured.get("torch")
+        torch_time = f"{torch.median:.4f}s" if torch else "-"
+        ref_peak = "-" if ref.peak_mib is None else f"{ref.peak_mib:.0f}"
+        torch_peak = "-" if torch is None or torch.peak_mib is None else f"{torch.peak_mib:.0f}"
+        time_ratio = _ratio(ref.median, torch.median if torch else None)
+        memory_ratio = _ratio(ref.peak_mib, torch.peak_mib if torch else None)
+        lines.append(
+            f"{name:<7} {ref.median:>9.4f}s {torch_time:>9} {time_ratio:>9} "
+            f"{_rate(flops, ref, result):>14} {_rate(flops, torch, result):>14} "
+            f"{ref_peak:>8} {torch_peak:>9} {memory_ratio:>9}"
+        )
+    tables = (
+        ("tokens (medium model, batch 1)", result.tokens),
+        ("layers (medium model, 4 x 128)", result.layers),
+    )
+    for title, table in tables:
+        if not table:
+            continue
+        lines += [
+            "",
+            f"how the cost grows with {title}:",
+            f"{'':>7} {'reference':>10} {'growth':>7} {'torch':>9} {'ref/torch':>9}",
+        ]
+        previous = None
+        for step, measured in table.items():
+            ref, torch = measured["reference"], measured.get("torch")
+            growth = "-" if previous is None else f"{ref.median / previous:.2f}x"
+            previous = ref.median
+            torch_time = f"{torch.median:.4f}s" if torch else "-"
+            ratio = _ratio(ref.median, torch.median if torch else None)
+            lines.append(f"{step:>7} {ref.median:>9.4f}s {growth:>7} {torch_time:>9} {ratio:>9}")
+    return "\n".join(lines) + "\n"
