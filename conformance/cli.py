@@ -375,6 +375,10 @@ def _run_suite(options: argparse.Namespace) -> str:
         raise CommandLineError(
             f"{PROGRAM} run: -n needs pytest-xdist (pip install 'decoder-conformance[test]')"
         )
+    for flag, target in (("--json", options.json), ("--markdown", options.markdown)):
+        folder = Path(target).resolve().parent if target else None
+        if folder is not None and not folder.is_dir():
+            raise CommandLineError(f"{PROGRAM} run: {flag} {target}: no folder {folder}")
     package_parent = Path(conformance.__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory(prefix="decoder-conformance-") as scratch:
         report_path = Path(options.json or Path(scratch) / "report.json")

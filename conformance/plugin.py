@@ -57,6 +57,15 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "needs(*capabilities): backend capabilities the test cannot run without"
     )
     select_profile(config.getoption("conformance_profile"))
+    for option in ("conformance_json", "conformance_markdown"):
+        target = config.getoption(option)
+        if target:
+            from pathlib import Path
+
+            folder = Path(target).resolve().parent
+            if not folder.is_dir():
+                flag = "--" + option.replace("_", "-")
+                raise pytest.UsageError(f"{flag} {target}: the folder {folder} does not exist")
     from conformance.session import SuiteSession
 
     session = SuiteSession(config)
@@ -77,7 +86,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # before GOLDEN-VALUES), so the first failure names the most telling rule.
     position = {rule.id: index for index, rule in enumerate(RULES)}
     conformance_items = [item for item in items if _is_conformance_test(item)]
-    if conformance_items:
+    shuffled = config.pluginmanager.hasplugin("randomly") and config.getoption(
+        "randomly_reorganize", False
+    )
+    if conformance_items and not shuffled:  # a random order, when asked for, is kept
         ordered = sorted(
             conformance_items, key=lambda item: position.get(session.rule_of(item), len(position))
         )

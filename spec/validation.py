@@ -176,10 +176,16 @@ def loss_violation(
     return None
 
 
-def rebuild_violation(
-    config: DecoderConfig, entries: Sequence[tuple[object, object]]
-) -> Violation | None:
+def _as_pair(entry: object) -> tuple[object, object]:
+    """``(name, value)`` of a list entry; an entry that is no pair has no name."""
+    if isinstance(entry, tuple | list) and len(entry) == 2:
+        return entry[0], entry[1]
+    return None, None
+
+
+def rebuild_violation(config: DecoderConfig, listed: Sequence[object]) -> Violation | None:
     """Configuration, tensor count, every name, every shape, every dtype, every value."""
+    entries = [_as_pair(entry) for entry in listed]
     problem = config_violation(config)
     if problem is not None:
         return problem

@@ -58,10 +58,42 @@ class Server:
         return {"model": handle}
 
     def _model(self, request: dict[str, Any]) -> Any:
-        try:
-            return self.models[int(request["model"])]
-        except (KeyError, TypeError, ValueError):
-            raise ProtocolError(f"unknown model handle {request.get('model')!r}") from None
+        handle = request.get("model")
+        if not isinstance(handle, int) or isinstance(handle, bool) or handle not in self.models:
+            raise ProtocolError(
+                f"request field 'model' must be a live model handle, got {handle!r}"
+            )
+        return self.models[handle]
+
+    @staticmethod
+    def _unsigned(request: dict[str, Any], field: str) -> int:
+        text = request.get(field)
+        if not isinstance(text, str) or not text.isdigit() or int(text) >= 2**64:
+            raise ProtocolError(
+                f"request field {field!r} must be a decimal string of an unsigned 64-bit "
+                f"integer, got {text!r}"
+            )
+        return int(text)
+
+    @staticmethod
+    def _flag(request: dict[str, Any], field: str) -> bool:
+        value = request.get(field, False)
+        if not isinstance(value, bool):
+            raise ProtocolError(f"request field {field!r} must be true or false, got {value!r}")
+        return value
+
+    @staticmethod
+    def _shape(request: dict[str, Any]) -> tuple[int, ...] | None:
+        shape = request.get("shape")
+        if shape is None:
+            return None
+        if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in shape
+        ):
+            raise ProtocolError(
+                f"request field 'shape' must be null or a list of integers, got {shape!r}"
+            )
+        return tuple(shape)
 
     def hello(self, request: dict[str, Any]) -> dict[str, Any]:
         if request.get("protocol") != PROTOCOL_NAME or request.get("version") != PROTOCOL_VERSION:
@@ -87,11 +119,11 @@ class Server:
 
     def build_seeded(self, request: dict[str, Any]) -> dict[str, Any]:
         config = decode_config(request.get("config"))
-        return self._handle(self.backend.build_seeded(config, int(str(request.get("seed")))))
+        return self._handle(self.backend.build_seeded(config, self._unsigned(request, "seed")))
 
     def initialize(self, request: dict[str, Any]) -> dict[str, Any]:
         config = decode_config(request.get("config"))
-        stream = SplitMix64(int(str(request.get("stream_state"))))
+        stream = SplitMix64(self._unsigned(request, "stream_state"))
         try:
             result = self._handle(self.backend.initialize(config, stream))
         except Refusal as refusal:
@@ -105,8 +137,14 @@ class Server:
     def forward(self, request: dict[str, Any]) -> dict[str, Any]:
         model = self._model(request)
         tokens = decode_input(request.get("tokens"), "tokens")
-        shape = request.get("shape")
-        output = self.backend.forward(model, tokens, None if shape is None else tuple(shape))
+        shape = self._shape(request)
+        if shape is not None and len(shape) != 2:
+            raise ProtocolError(
+                f"request field 'shape' must hold two sizes [B, T], got {list(shape)}"
+            )
+        output = self.backend.forward(
+            model, tokens, None if shape is None else (shape[0], shape[1])
+        )
         stages = None if output.stages is None else encode_parameters(output.stages)
         return {"logits": encode_array(output.logits), "stages": stages}
 
@@ -115,8 +153,8 @@ class Server:
             self._model(request),
             decode_input(request.get("tokens"), "tokens"),
             decode_input(request.get("targets"), "targets"),
-            detach_lookup=bool(request.get("detach_lookup", False)),
-            detach_head=bool(request.get("detach_head", False)),
+            detach_lookup=self._flag(request, "detach_lookup"),
+            detach_head=self._flag(request, "detach_head"),
         )
         gradients = (
             None if output.gradients is None else encode_parameters(list(output.gradients.items()))
@@ -128,7 +166,8 @@ class Server:
         return {}
 
     def release(self, request: dict[str, Any]) -> dict[str, Any]:
-        self.models.pop(int(request.get("model", -1)), None)
+        self._model(request)
+        self.models.pop(request["model"])
         return {}
 
     def answer(self, line: str) -> dict[str, Any]:
@@ -137,6 +176,8 @@ class Server:
         try:
             request = parse_message(line)
             identifier = request.get("id")
+            if not isinstance(identifier, int) or isinstance(identifier, bool):
+                raise ProtocolError(f"request field 'id' must be an integer, got {identifier!r}")
             operation = self.operations.get(str(request.get("op")))
             if operation is None:
                 raise ProtocolError(

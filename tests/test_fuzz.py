@@ -1,0 +1,377 @@
+"""Fuzzing every public entry point: the documented kind, a message that explains, no harm.
+
+Each property feeds generated bad input to one entry point and requires either success
+(when the spec says the input is valid) or a refusal whose kind is the one
+``spec.validation`` expects, with a message, and with the random stream, every parameter
+and every gradient exactly as before. Anything else (another exception, a hang, a silent
+success on bad input) fails. Run them harder with ``HYPOTHESIS_PROFILE=thorough``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from contextlib import redirect_stderr, redirect_stdout
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from conformance.adapters.reference_server import Server
+from conformance.cli import main
+from conformance.protocol import encode_array, encode_config, encode_parameters
+from impl.errors import DecoderModelError
+from impl.model import MAX_PARAMETER_SCALARS, DecoderModel
+from spec.config import FIXTURE, DecoderConfig
+from spec.errors import ErrorKind
+from spec.parameters import parameter_count
+from spec.recipe import SplitMix64, initial_parameters
+from spec.validation import config_violation, loss_violation, rebuild_violation, token_violation
+
+CONFIG = FIXTURE.config
+weird_sizes = st.one_of(
+    st.integers(-3, 12),
+    st.integers(2**31, 2**70),
+    st.sampled_from([True, False, None, "4", 4.0, 2.5, float("nan"), np.int64(4), np.float32(4)]),
+)
+weird_reals = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, 3, -1, True, None, "1e-6", np.float64(10.0), np.int8(5)]),
+)
+
+
+def snapshot(model: DecoderModel) -> tuple[list[bytes], list[bytes | None]]:
+    values = [p.tensor.value.tobytes() for p in model.parameters()]
+    grads = [None if p.tensor.grad is None else p.tensor.grad.tobytes() for p in model.parameters()]
+    return values, grads
+
+
+@pytest.fixture(scope="module")
+def trained() -> DecoderModel:
+    model = DecoderModel.from_seed(CONFIG, FIXTURE.seed)
+    model.loss(FIXTURE.tokens, FIXTURE.targets).backward()
+    return model
+
+
+@given(
+    fields=st.fixed_dictionaries(
+        {
+            "vocabulary_size": weird_sizes,
+            "model_width": weird_sizes,
+            "heads": weird_sizes,
+            "feed_forward_width": weird_sizes,
+            "layers": weird_sizes,
+            "context": weird_sizes,
+            "rope_base": weird_reals,
+            "rms_epsilon": weird_reals,
+        }
+    ),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_construction(fields: dict[str, Any], seed: int) -> None:
+    config = DecoderConfig(**fields)
+    expected = config_violation(config)
+    stream = SplitMix64(seed)
+    if expected is None:
+        # A valid configuration either builds (small) or is refused before allocating (huge).
+        assume(parameter_count(config) > MAX_PARAMETER_SCALARS or parameter_count(config) < 20_000)
+    try:
+        DecoderModel.initialize(config, stream)
+    except DecoderModelError as error:
+        wanted = expected.kind if expected is not None else ErrorKind.PARAMETER_ALLOCATION_FAILED
+        assert error.kind is wanted, f"{error.kind} ({error}), but should be {wanted}"
+        assert isinstance(error, ValueError) and str(error)
+        if error.kind is ErrorKind.CONFIG_FIELD_TYPE:
+            assert expected is not None and expected.details["field"] in str(error)
+        assert stream.state == seed, "a refused construction advanced the stream"
+        return
+    assert expected is None, f"built a model from an invalid configuration ({expected.kind})"
+    assert parameter_count(config) <= MAX_PARAMETER_SCALARS
+
+
+token_arrays = st.one_of(
+    st.integers(0, 3).flatmap(
+        lambda rank: st.tuples(*[st.integers(0, 5)] * rank).flatmap(
+            lambda shape: st.sampled_from(
+                [np.int64, np.int8, np.uint64, np.float64, np.bool_, object]
+            ).map(
+                lambda dtype, shape=shape: np.asarray(
+                    np.random.default_rng(sum(shape)).integers(-2, 8, size=shape)
+                ).astype(dtype)
+            )
+        )
+    ),
+    st.sampled_from([[[0, 1], [2]], [["a", "b"]], [[2**70, 1]], [], [[]], 3, None]),
+    st.just(np.arange(12).reshape(2, 6)[:, ::2] % 5),  # non-contiguous
+)
+explicit_shapes = st.one_of(
+    st.none(),
+    st.tuples(st.integers(-1, 4), st.integers(-1, 5)),
+    st.just((2**62, 2**62)),
+    st.lists(st.integers(0, 3), max_size=3).map(tuple),
+)
+
+
+def _call_with_shape(model: DecoderModel, tokens: Any, shape: Any) -> Any:
+    return model.forward(tokens, shape)
+
+
+@given(tokens=token_arrays, shape=explicit_shapes)
+def test_forward_tokens(trained: DecoderModel, tokens: Any, shape: Any) -> None:
+    expected = token_violation(CONFIG, tokens, shape)
+    before = snapshot(trained)
+    try:
+        result = _call_with_shape(trained, tokens, shape)
+    except DecoderModelError as error:
+        assert expected is not None, f"refused valid tokens: {error}"
+        assert error.kind is expected.kind, f"{error.kind} ({error}), but should be {expected.kind}"
+        assert str(error)
+    else:
+        assert expected is None, f"accepted tokens breaking {expected.kind}"
+        batch, length = shape if shape is not None else np.asarray(tokens).shape
+        assert result.logits.shape == (batch, length, CONFIG.vocabulary_size)
+    assert snapshot(trained) == before
+
+
+@given(
+    targets=st.one_of(
+        st.lists(st.integers(-3, 8), min_size=0, max_size=5),
+        st.lists(st.lists(st.integers(-1, 6), min_size=3, max_size=3), min_size=1, max_size=2),
+        st.sampled_from(
+            [[1.0, 2.0, 3.0], [[1, 2], [3]], "abc", [True, False, True], [2**70, 1, 1]]
+        ),
+    ),
+    tokens=st.sampled_from([FIXTURE.tokens, [[0, 1, 5]], [[0, 1]], [[0, 1, 2, 3, 4]]]),
+)
+def test_loss_targets(trained: DecoderModel, targets: Any, tokens: Any) -> None:
+    expected = loss_violation(CONFIG, tokens, targets)
+    before = snapshot(trained)
+    try:
+        value = trained.loss(tokens, targets)
+    except DecoderModelError as error:
+        assert expected is not None, f"refused valid targets: {error}"
+        assert error.kind is expected.kind, f"{error.kind} ({error}), but should be {expected.kind}"
+    else:
+        assert expected is None, f"accepted targets breaking {expected.kind}"
+        assert math.isfinite(float(value.value))
+    assert snapshot(trained) == before
+
+
+def _perturb(entries: list[Any], data: st.DataObject) -> list[Any]:
+    choice = data.draw(
+        st.sampled_from(
+            ["duplicate", "dtype", "nan", "shape", "drop", "extra", "shape-of-entry", "none"]
+        )
+    )
+    index = data.draw(st.integers(0, len(entries) - 1))
+    name, value = entries[index]
+    if choice == "duplicate":
+        entries[index] = (entries[max(0, index - 1)][0], value)
+    elif choice == "dtype":
+        dtype = data.draw(st.sampled_from([np.complex128, np.bool_, object, "U3"]))
+        entries[index] = (name, np.asarray(value).astype(dtype))
+    elif choice == "nan":
+        broken = np.array(value, dtype=np.float64)
+        broken.flat[data.draw(st.integers(0, broken.size - 1))] = data.draw(
+            st.sampled_from([np.nan, np.inf, -np.inf])
+        )
+        entries[index] = (name, broken)
+    elif choice == "shape":
+        entries[index] = (
+            name,
+            np.zeros(data.draw(st.lists(st.integers(0, 5), max_size=3)).__len__() * (2,)),
+        )
+    elif choice == "drop":
+        del entries[index]
+    elif choice == "extra":
+        entries.insert(index, ("lm_head.weight", np.zeros((5, 4))))
+    elif choice == "shape-of-entry":
+        entries[index] = data.draw(
+            st.sampled_from([value, (name,), (name, value, 1), {"name": name}])
+        )
+    return entries
+
+
+@given(data=st.data())
+def test_rebuild_parameter_lists(data: st.DataObject) -> None:
+    entries = _perturb(list(initial_parameters(CONFIG, 3)), data)
+    expected = rebuild_violation(CONFIG, entries)
+    try:
+        DecoderModel.from_parameters(CONFIG, entries)
+    except DecoderModelError as error:
+        assert expected is not None, f"refused a valid list: {error}"
+        assert error.kind is expected.kind, f"{error.kind} ({error}), but should be {expected.kind}"
+        assert str(error)
+    else:
+        assert expected is None, f"accepted a list breaking {expected.kind}"
+
+
+option_values = st.sampled_from(
+    ["0", "1", "3", "-1", "x", "", "1e3", "nan", "inf", "99999999999", "4.5"]
+)
+
+
+@given(
+    arguments=st.lists(
+        st.one_of(
+            st.tuples(
+                st.sampled_from(
+                    ["--vocab", "--width", "--heads", "--ffn", "--layers", "--context", "--seed"]
+                ),
+                option_values,
+            ),
+            st.tuples(st.sampled_from(["--rope-base", "--epsilon"]), option_values),
+            st.tuples(
+                st.sampled_from(["--tokens", "--targets"]),
+                st.sampled_from(["0,1,2", "0,1;2", "", "a", "1,2,3;3,2,1", "9,9,9"]),
+            ),
+            st.tuples(st.sampled_from(["--format"]), st.sampled_from(["json", "text", "xml"])),
+            st.tuples(st.sampled_from(["--bogus"]), option_values),
+        ),
+        max_size=4,
+    )
+)
+def test_command_line_trace(arguments: list[tuple[str, str]]) -> None:
+    argv = ["trace"] + [part for pair in arguments for part in pair]
+    sizes = {
+        flag: value
+        for flag, value in arguments
+        if flag in ("--vocab", "--width", "--ffn", "--layers", "--context")
+    }
+    assume(all(not value.isdigit() or int(value) <= 1000 for value in sizes.values()))
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with redirect_stdout(stdout), redirect_stderr(stderr):
+        status = main(argv)
+    assert status in (0, 2), f"exit status {status} for {argv}"
+    if status == 2:
+        assert stderr.getvalue().count("\n") == 1 and stderr.getvalue().startswith(
+            "decoder-conformance"
+        )
+        assert stdout.getvalue() == ""
+    else:
+        assert stdout.getvalue() and stderr.getvalue() == ""
+
+
+def _valid_requests() -> list[dict[str, Any]]:
+    return [
+        {"id": 1, "op": "hello", "protocol": "decoder-conformance", "version": 1},
+        {
+            "id": 2,
+            "op": "build",
+            "config": encode_config(CONFIG),
+            "parameters": encode_parameters(initial_parameters(CONFIG, 1)),
+        },
+        {
+            "id": 3,
+            "op": "forward",
+            "model": 1,
+            "tokens": encode_array(np.asarray(FIXTURE.tokens)),
+            "shape": None,
+        },
+        {
+            "id": 4,
+            "op": "loss",
+            "model": 1,
+            "tokens": encode_array(np.asarray(FIXTURE.tokens)),
+            "targets": encode_array(np.asarray(FIXTURE.targets)),
+            "detach_lookup": False,
+            "detach_head": False,
+        },
+        {"id": 5, "op": "build_seeded", "config": encode_config(CONFIG), "seed": "7"},
+        {"id": 6, "op": "initialize", "config": encode_config(CONFIG), "stream_state": "7"},
+    ]
+
+
+def _mangle(request: dict[str, Any], data: st.DataObject) -> str:
+    line = json.dumps(request)
+    choice = data.draw(
+        st.sampled_from(
+            [
+                "truncate",
+                "field-type",
+                "drop-field",
+                "unknown-op",
+                "version",
+                "not-object",
+                "bad-array",
+            ]
+        )
+    )
+    if choice == "truncate":
+        return line[: data.draw(st.integers(0, len(line) - 1))]
+    mangled = dict(request)
+    if choice == "field-type":
+        field = data.draw(st.sampled_from(sorted(mangled)))
+        mangled[field] = data.draw(st.sampled_from([None, "x", 1.5, [], {}, True, -1]))
+    elif choice == "drop-field":
+        mangled.pop(data.draw(st.sampled_from(sorted(mangled))))
+    elif choice == "unknown-op":
+        mangled["op"] = data.draw(st.sampled_from(["fly", "", "FORWARD"]))
+    elif choice == "version":
+        mangled.update({"op": "hello", "version": data.draw(st.sampled_from([0, 2, "1"]))})
+    elif choice == "not-object":
+        return json.dumps(data.draw(st.sampled_from([[1, 2], "hello", 3, None])))
+    else:
+        for field in ("tokens", "targets", "parameters", "config"):
+            if field in mangled:
+                mangled[field] = data.draw(
+                    st.sampled_from(
+                        [
+                            {"dtype": "float64", "shape": [2], "data": "!!"},
+                            {"dtype": "complex128", "shape": [], "data": ""},
+                            {"values": [[0, 1], [2]]},
+                            {"shape": [1]},
+                        ]
+                    )
+                )
+    return json.dumps(mangled)
+
+
+@given(data=st.data())
+def test_protocol_messages(data: st.DataObject) -> None:
+    server = Server()
+    for request in _valid_requests()[:2]:
+        assert server.answer(json.dumps(request))["ok"], request["op"]
+    request = data.draw(st.sampled_from(_valid_requests()))
+    line = _mangle(request, data)
+    response = server.answer(line)  # must not raise
+    json.dumps(response, allow_nan=False)  # must be sendable
+    if not response["ok"]:
+        error = response["error"]
+        assert error["kind"] == "protocol" or error["kind"] in {str(k) for k in ErrorKind}
+        assert error["message"]
+    else:
+        # Only a mangling that left a valid request may succeed.
+        parsed = json.loads(line)
+        assert isinstance(parsed, dict) and parsed.get("op") in {
+            "hello",
+            "build",
+            "forward",
+            "loss",
+            "build_seeded",
+            "initialize",
+        }
+
+
+def test_fields_named_in_protocol_errors() -> None:
+    server = Server()
+    response = server.answer(
+        json.dumps({"id": 1, "op": "build_seeded", "config": encode_config(CONFIG), "seed": -4})
+    )
+    assert response["error"]["kind"] == "protocol"
+    assert (
+        "request field 'seed' must be a decimal string" in response["error"]["message"]
+        and "-4" in response["error"]["message"]
+    )
+    response = server.answer('{"id": 1, "op": "forw')
+    assert response["error"]["kind"] == "protocol" and "not JSON" in response["error"]["message"]
+    response = server.answer(
+        json.dumps({"id": 2, "op": "hello", "protocol": "decoder-conformance", "version": 2})
+    )
+    assert (
+        "speaks decoder-conformance version 1, not 'decoder-conformance' version 2"
+        in response["error"]["message"]
+    )
