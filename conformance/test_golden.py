@@ -34,16 +34,20 @@ def _judge(judge: Judge, case: GoldenCase, call: str) -> Judge:
     )
 
 
+def _setup(judge: Judge, name: str, call: str) -> tuple[GoldenCase, GoldenRecord, Judge, str]:
+    """The case, its verified record, a judge bound to it, and the file name for messages."""
+    case = next(c for c in GOLDEN_CASES if c.name == name)
+    record = _record(judge, case)
+    return case, record, _judge(judge, case, call), case_path(golden_directory(), name).name
+
+
 @pytest.mark.rule("GOLDEN-VALUES")
 @pytest.mark.parametrize("name", NAMES)
 def test_values_match_the_golden_case(
     backend: Backend, judge: Judge, tolerance: Tolerance, name: str
 ) -> None:
     """Stages are compared in order, so a failure names the first stage that deviates."""
-    case = next(c for c in GOLDEN_CASES if c.name == name)
-    record = _record(judge, case)
-    check = _judge(judge, case, "backend.forward(model, tokens)")
-    source = case_path(golden_directory(), name).name
+    case, record, check, source = _setup(judge, name, "backend.forward(model, tokens)")
     model = backend.build(case.config, initial_parameters(case.config, case.seed))
     output = backend.forward(model, case.tokens)
     if output.stages is not None:
@@ -63,10 +67,8 @@ def test_values_match_the_golden_case(
 def test_gradients_match_the_golden_case(
     backend: Backend, judge: Judge, tolerance: Tolerance, name: str
 ) -> None:
-    case = next(c for c in GOLDEN_CASES if c.name == name)
-    record = _record(judge, case)
-    check = _judge(judge, case, "backend.loss(model, tokens, targets).gradients")
-    source = case_path(golden_directory(), name).name
+    call = "backend.loss(model, tokens, targets).gradients"
+    case, record, check, source = _setup(judge, name, call)
     model = backend.build(case.config, initial_parameters(case.config, case.seed))
     got = backend.loss(model, case.tokens, case.targets).gradients or {}
     for parameter, expected in record.gradients:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["ErrorCategory", "ErrorKind"]
+__all__ = ["CONFIG_RULE_ORDER", "ErrorCategory", "ErrorKind"]
 
 
 class ErrorCategory(StrEnum):
@@ -74,21 +74,23 @@ class ErrorKind(StrEnum):
         return _CATEGORY_OF[self]
 
 
+# The configuration rules in the order they are checked, once every field has its type.
+CONFIG_RULE_ORDER: tuple[ErrorKind, ...] = (
+    ErrorKind.EMPTY_VOCABULARY,
+    ErrorKind.ZERO_MODEL_WIDTH,
+    ErrorKind.ZERO_HEAD_COUNT,
+    ErrorKind.MODEL_WIDTH_NOT_DIVISIBLE,
+    ErrorKind.ODD_HEAD_WIDTH,
+    ErrorKind.ZERO_FEED_FORWARD_WIDTH,
+    ErrorKind.ZERO_CONTEXT_CAPACITY,
+    ErrorKind.INVALID_ROPE_BASE,
+    ErrorKind.INVALID_RMS_EPSILON,
+)
+
 _CATEGORY_OF: dict[ErrorKind, ErrorCategory] = {
     **{
         kind: ErrorCategory.CONFIGURATION
-        for kind in (
-            ErrorKind.CONFIG_FIELD_TYPE,
-            ErrorKind.EMPTY_VOCABULARY,
-            ErrorKind.ZERO_MODEL_WIDTH,
-            ErrorKind.ZERO_HEAD_COUNT,
-            ErrorKind.MODEL_WIDTH_NOT_DIVISIBLE,
-            ErrorKind.ODD_HEAD_WIDTH,
-            ErrorKind.ZERO_FEED_FORWARD_WIDTH,
-            ErrorKind.ZERO_CONTEXT_CAPACITY,
-            ErrorKind.INVALID_ROPE_BASE,
-            ErrorKind.INVALID_RMS_EPSILON,
-        )
+        for kind in (ErrorKind.CONFIG_FIELD_TYPE, *CONFIG_RULE_ORDER)
     },
     ErrorKind.PARAMETER_ALLOCATION_FAILED: ErrorCategory.RESOURCE,
     **{

@@ -16,7 +16,7 @@ import numpy.typing as npt
 from hypothesis import strategies as st
 
 from spec.config import DecoderConfig
-from spec.errors import ErrorKind
+from spec.errors import CONFIG_RULE_ORDER, ErrorKind
 from spec.parameters import parameter_layout
 
 __all__ = [
@@ -33,19 +33,6 @@ __all__ = [
 
 IdArray = npt.NDArray[np.int64]
 ParameterList = list[tuple[str, Any]]
-
-# The configuration kinds in the order they are checked (after field types).
-CONFIG_RULE_ORDER: tuple[ErrorKind, ...] = (
-    ErrorKind.EMPTY_VOCABULARY,
-    ErrorKind.ZERO_MODEL_WIDTH,
-    ErrorKind.ZERO_HEAD_COUNT,
-    ErrorKind.MODEL_WIDTH_NOT_DIVISIBLE,
-    ErrorKind.ODD_HEAD_WIDTH,
-    ErrorKind.ZERO_FEED_FORWARD_WIDTH,
-    ErrorKind.ZERO_CONTEXT_CAPACITY,
-    ErrorKind.INVALID_ROPE_BASE,
-    ErrorKind.INVALID_RMS_EPSILON,
-)
 
 
 def _check_bounds(**bounds: tuple[int, int]) -> None:
