@@ -158,11 +158,6 @@ class BackendBase:
         """Not supported unless the backend declares STREAM_INIT."""
         raise NotImplementedError(f"backend {self.name} does not declare {Capability.STREAM_INIT}")
 
-    def describe(self) -> str:
-        """One line naming the backend, its version, precision and capabilities."""
-        listed = ", ".join(sorted(self.capabilities)) or "none"
-        return f"{self.name} {self.version} ({self.precision}; capabilities: {listed})"
-
 
 def call_build_seeded(backend: Backend, config: DecoderConfig, seed: int) -> Any:
     """``backend.build_seeded(config, seed)``, the optional method of SEEDED_INIT."""

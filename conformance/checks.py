@@ -19,10 +19,9 @@ import pytest
 from conformance.adapter import Backend, Refusal
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
-from spec.recipe import initial_parameters
 from spec.tolerances import scaled_error
 
-__all__ = ["Case", "Judge", "build_model"]
+__all__ = ["Case", "Judge"]
 
 
 def _literal(value: Any) -> str:
@@ -132,8 +131,3 @@ class Judge:
                 "refusal", f"{type(error).__name__}: {error}", f"a Refusal of kind {expected}"
             )
         self.fail("refusal", "none (the call succeeded)", f"a Refusal of kind {expected}")
-
-
-def build_model(backend: Backend, config: DecoderConfig, seed: int) -> Any:
-    """The backend's model over the recipe's parameters for ``(config, seed)``."""
-    return backend.build(config, initial_parameters(config, seed))

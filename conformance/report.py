@@ -95,10 +95,6 @@ class RuleTally:
             counts[result.status] += 1
         return counts
 
-    def failed(self) -> list[RuleResult]:
-        """Rules with a failing test that no expected-failures line covers."""
-        return [r for r in self.results.values() if r.status == "failed"]
-
 
 def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else ""

@@ -8,7 +8,7 @@ import pytest
 from conformance.adapter import Backend, Capability
 from conformance.checks import Case, Judge
 from conformance.golden import case_path, golden_directory, load_golden
-from spec.golden import GOLDEN_CASES, GoldenCase, GoldenError, GoldenRecord
+from spec.golden import GOLDEN_CASES, GoldenCase, GoldenError, GoldenRecord, case_by_name
 from spec.recipe import initial_parameters
 from spec.tolerances import Tolerance
 
@@ -36,7 +36,7 @@ def _judge(judge: Judge, case: GoldenCase, call: str) -> Judge:
 
 def _setup(judge: Judge, name: str, call: str) -> tuple[GoldenCase, GoldenRecord, Judge, str]:
     """The case, its verified record, a judge bound to it, and the file name for messages."""
-    case = next(c for c in GOLDEN_CASES if c.name == name)
+    case = case_by_name(name)
     record = _record(judge, case)
     return case, record, _judge(judge, case, call), case_path(golden_directory(), name).name
 

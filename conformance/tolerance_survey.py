@@ -21,7 +21,7 @@ from spec.oracle import oracle_forward, to_float64
 from spec.oracle_gradients import oracle_gradients
 from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME
 from spec.recipe import initial_parameters
-from spec.tolerances import Tolerance, scaled_error, tolerance_for
+from spec.tolerances import Tolerance, scaled_error
 
 __all__ = [
     "SAFETY_MARGIN",
@@ -228,8 +228,3 @@ def render_survey(
             f"{account.smallest_caught:.1e}",
         ]
     return "\n".join(lines) + "\n"
-
-
-def committed_tolerance(backend: Backend) -> Tolerance:
-    """The committed tolerance for the backend's declared precision."""
-    return tolerance_for(backend.precision)

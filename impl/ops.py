@@ -232,8 +232,7 @@ def rotary(x: Tensor, cos: Array, sin: Array) -> Tensor:
 
 def causal_softmax(scores: Tensor) -> Tensor:
     """Softmax over the last (key) axis of ``[..., T, T]`` scores, keys after the query masked."""
-    length = scores.shape[-1]
-    future = np.triu(np.ones((length, length), dtype=bool), k=1)
+    future = future_mask(scores.shape[-1])
     masked = np.where(future, -np.inf, scores.value)
     shifted = np.exp(masked - masked.max(axis=-1, keepdims=True))
     weights = shifted / shifted.sum(axis=-1, keepdims=True)

@@ -28,6 +28,7 @@ __all__ = [
     "GoldenCase",
     "GoldenError",
     "GoldenRecord",
+    "case_by_name",
     "decode_record",
     "encode_record",
 ]

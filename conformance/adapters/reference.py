@@ -25,7 +25,7 @@ from spec.config import DecoderConfig
 from spec.recipe import SplitMix64
 from spec.tolerances import Precision
 
-__all__ = ["ReferenceBackend", "refusals"]
+__all__ = ["ReferenceBackend", "dense_gradients", "refusals"]
 
 
 @contextmanager
@@ -43,6 +43,14 @@ def _details(error: DecoderModelError) -> dict[str, Any]:
     if isinstance(source, DecoderModelError):
         details.update(_details(source))
     return details
+
+
+def dense_gradients(model: DecoderModel) -> dict[str, FloatArray]:
+    """Every parameter's accumulated gradient; one the loss never reached is zero, not None."""
+    return {
+        p.name: np.zeros(p.shape) if p.tensor.grad is None else p.tensor.grad.copy()
+        for p in model.parameters()
+    }
 
 
 class ReferenceBackend(BackendBase):
@@ -96,11 +104,6 @@ class ReferenceBackend(BackendBase):
         model.zero_grad()
         value.backward(retain_graph=False)
         # A parameter the loss does not reach has gradient zero, not "none".
-        gradients = {
-            name: np.zeros(shape) if gradient is None else gradient
-            for (name, gradient), shape in zip(
-                model.gradients().items(), (p.shape for p in model.parameters()), strict=True
-            )
-        }
+        gradients = dense_gradients(model)
         model.zero_grad()
         return LossOutput(loss=float(value.value), gradients=gradients)

@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from conformance.adapter import LossOutput
-from conformance.adapters.reference import refusals
+from conformance.adapters.reference import dense_gradients, refusals
 from conformance.mutants.base import MutantBackend, model_with
 from impl import ops
 from impl.layers import CausalSelfAttention, RMSNorm, SwiGLU
@@ -16,6 +16,12 @@ from impl.model import DecoderModel
 from impl.tape import Array, Tensor
 from spec.config import DecoderConfig
 from spec.recipe import SplitMix64
+
+
+def _scaled(output: LossOutput, factor: float) -> LossOutput:
+    """The loss and every gradient multiplied by ``factor``."""
+    gradients = {name: g * factor for name, g in (output.gradients or {}).items()}
+    return LossOutput(output.loss * factor, gradients)
 
 
 class LossSummedNotAveraged(MutantBackend):
@@ -30,9 +36,7 @@ class LossSummedNotAveraged(MutantBackend):
         self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
     ) -> LossOutput:
         output = super().loss(model, tokens, targets, **detach)
-        count = float(np.asarray(targets).size)
-        gradients = {n: g * count for n, g in (output.gradients or {}).items()}
-        return LossOutput(output.loss * count, gradients)
+        return _scaled(output, float(np.asarray(targets).size))
 
 
 class LossAveragedPerSequence(MutantBackend):
@@ -44,9 +48,7 @@ class LossAveragedPerSequence(MutantBackend):
         self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
     ) -> LossOutput:
         output = super().loss(model, tokens, targets, **detach)
-        batch = float(np.asarray(tokens).shape[0]) if np.ndim(tokens) == 2 else 1.0
-        gradients = {n: g * batch for n, g in (output.gradients or {}).items()}
-        return LossOutput(output.loss * batch, gradients)
+        return _scaled(output, float(np.asarray(tokens).shape[0]) if np.ndim(tokens) == 2 else 1.0)
 
 
 class _ColumnMajorInit(DecoderModel):
@@ -104,13 +106,7 @@ class GradientsAccumulateAcrossCalls(MutantBackend):
                 tokens, targets, detach_lookup=detach_lookup, detach_head=detach_head
             )
         value.backward()  # no zero_grad before or after
-        gradients = {
-            name: np.zeros(shape) if g is None else g
-            for (name, g), shape in zip(
-                model.gradients().items(), (p.shape for p in model.parameters()), strict=True
-            )
-        }
-        return LossOutput(float(value.value), gradients)
+        return LossOutput(float(value.value), dense_gradients(model))
 
 
 class _NoisyAttention(CausalSelfAttention):
