@@ -1,9 +1,9 @@
 """``decoder-conformance bench``: forward + backward of the reference against PyTorch float64.
 
 Every measurement runs in a fresh process (``conformance.bench_worker``) with the same thread
-count for numpy's BLAS and for torch; the two backends alternate, and each figure is the median
-of all timed steps. The machine's own float64 matrix-multiply rate is measured in the same run,
-so achieved GFLOP/s can be read against it.
+count for the reference (its own threads and numpy's BLAS) and for torch; the two backends
+alternate, and each figure is the median of all timed steps. The machine's own float64
+matrix-multiply rate is measured in the same run, so achieved GFLOP/s can be read against it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from typing import Any
 
+from impl.parallel import THREAD_VARIABLES
 from spec.config import FIXTURE, DecoderConfig
 
 __all__ = ["SIZES", "BenchResult", "forward_backward_flops", "render_bench", "run_bench"]
@@ -72,7 +73,7 @@ class BenchResult:
 
 def _environment(threads: int, tuned_allocator: bool) -> dict[str, str]:
     environment = dict(os.environ)
-    for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for variable in THREAD_VARIABLES:
         environment[variable] = str(threads)
     if tuned_allocator:
         # Keep freed memory for reuse instead of returning it to the kernel (glibc): fewer
@@ -196,7 +197,8 @@ def _ratio(a: float | None, b: float | None) -> str:
 def render_bench(result: BenchResult) -> str:
     """The size table and the two scaling tables."""
     lines = [
-        f"threads {result.threads} (numpy's BLAS and torch alike); allocator {result.allocator}; "
+        f"threads {result.threads} (the reference, numpy's BLAS and torch alike); "
+        f"allocator {result.allocator}; "
         f"this machine's float64 matrix multiply: {result.matmul_gflops:.1f} GFLOP/s",
         f"{'size':<7} {'reference':>10} {'torch':>9} {'ref/torch':>9} {'ref GFLOP/s':>14} "
         f"{'torch GFLOP/s':>14} {'ref MiB':>8} {'torch MiB':>9} {'mem ratio':>9}",

@@ -403,7 +403,9 @@ def _run_suite(options: argparse.Namespace) -> str:
             # Work stealing evens out the long tail of oracle-heavy properties; each worker
             # computes on one thread so N workers share the cores instead of fighting for them.
             arguments += ["-n", str(options.workers), "--dist", "worksteal"]
-            for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            from impl.parallel import THREAD_VARIABLES
+
+            for variable in THREAD_VARIABLES:
                 os.environ.setdefault(variable, "1")
         arguments += shlex.split(options.pytest_args)
         status = pytest.main(arguments)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.mutants import CONTROLS, MUTANTS, Mutant
+from impl.parallel import THREAD_VARIABLES
 from spec.rules import rule
 
 __all__ = ["MutantResult", "render_matrix", "run_catalogue"]
@@ -58,7 +59,7 @@ def _run_one(adapter: str, backend_command: str | None, extra: list[str]) -> _Ru
         if backend_command:
             command += ["--backend-command", backend_command.format(python=sys.executable)]
         environment = {**os.environ, "DECODER_CONFORMANCE_NO_SHRINK": "1"}
-        for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        for variable in THREAD_VARIABLES:
             environment.setdefault(variable, "1")  # several suites share the cores
         started = time.perf_counter()
         result = subprocess.run(

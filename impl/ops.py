@@ -8,11 +8,14 @@ in Python over batch, tokens, heads or features.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 import numpy.typing as npt
 
+from impl import workspace
+from impl.parallel import Part, run_concurrently, run_in_parts, thread_count
 from impl.tape import Array, Tensor
 
 __all__ = [
@@ -62,7 +65,8 @@ def add(a: Tensor, b: Tensor) -> Tensor:
     def vjp(g: Array) -> tuple[Array, Array]:
         return unbroadcast(g, a.shape), unbroadcast(g, b.shape)
 
-    return Tensor.from_operation(a.value + b.value, (a, b), vjp, "add")
+    total = workspace.empty(np.broadcast_shapes(a.shape, b.shape))
+    return Tensor.from_operation(np.add(a.value, b.value, out=total), (a, b), vjp, "add")
 
 
 def mul(a: Tensor, b: Tensor) -> Tensor:
@@ -101,25 +105,49 @@ def divide(a: Tensor, divisor: float) -> Tensor:
     return Tensor.from_operation(a.value / divisor, (a,), vjp, "divide")
 
 
+def _matrix_product(a: Array, b: Array) -> Array:
+    """``a @ b`` for 2-D operands, the rows of ``a`` spread over threads."""
+    product = workspace.empty((a.shape[0], b.shape[1]))
+
+    def multiply_part(part: Part) -> None:
+        np.matmul(a[part], b, out=product[part])
+
+    run_in_parts(multiply_part, product.shape[:1], a.shape[0] * a.shape[1] * b.shape[1])
+    return product
+
+
+def _matrix_products(pairs: list[tuple[Array, Array]]) -> list[Array]:
+    """``a @ b`` for each pair of 2-D operands: one product per thread when there are at
+    least as many products as threads, else each product split by rows."""
+    if len(pairs) < thread_count():
+        return [_matrix_product(a, b) for a, b in pairs]
+    products = [workspace.empty((a.shape[0], b.shape[1])) for a, b in pairs]
+    tasks = [
+        functools.partial(np.matmul, a, b, out=out)
+        for (a, b), out in zip(pairs, products, strict=True)
+    ]
+    run_concurrently(tasks)
+    return products
+
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """Matrix product over the last two axes, broadcasting leading axes."""
     if a.value.ndim < 2 or b.value.ndim < 2:
         raise ValueError(f"matmul needs rank >= 2 operands, got {list(a.shape)} @ {list(b.shape)}")
-    shared_weight = b.value.ndim == 2 and a.value.ndim > 2
+    shared_weight = b.value.ndim == 2
     if shared_weight:
         # [..., n] @ [n, m]: one large product over all rows beats one per leading index.
         inner, outer = b.shape
-        value = (a.value.reshape(-1, inner) @ b.value).reshape(*a.shape[:-1], outer)
+        rows = reshaped(a.value, (-1, inner))
+        value = _matrix_product(rows, b.value).reshape(*a.shape[:-1], outer)
     else:
         value = a.value @ b.value
 
     def vjp(g: Array) -> tuple[Array, Array]:
-        if b.value.ndim == 2:
-            inner, outer = b.shape
-            rows = g.reshape(-1, outer)
-            grad_a = (rows @ b.value.T).reshape(a.shape) if shared_weight else g @ b.value.T
-            grad_b = a.value.reshape(-1, inner).T @ rows
-            return grad_a, grad_b
+        if shared_weight:
+            upstream = reshaped(g, (-1, outer))
+            grad_a, grad_b = _matrix_products([(upstream, b.value.T), (rows.T, upstream)])
+            return grad_a.reshape(a.shape), grad_b
         grad_a = unbroadcast(g @ np.swapaxes(b.value, -1, -2), a.shape)
         return grad_a, unbroadcast(np.swapaxes(a.value, -1, -2) @ g, b.shape)
 
@@ -135,13 +163,22 @@ def transpose(a: Tensor, axis1: int, axis2: int) -> Tensor:
     return Tensor.from_operation(np.swapaxes(a.value, axis1, axis2), (a,), vjp, "transpose")
 
 
+def reshaped(array: Array, shape: tuple[int, ...]) -> Array:
+    """``array.reshape(shape)``; where that needs a copy, the copy is a workspace buffer."""
+    if array.flags.c_contiguous:
+        return array.reshape(shape)
+    copied = workspace.empty(array.shape)
+    np.copyto(copied, array)
+    return copied.reshape(shape)
+
+
 def reshape(a: Tensor, shape: tuple[int, ...]) -> Tensor:
     """The same values in a new shape."""
 
     def vjp(g: Array) -> tuple[Array]:
-        return (g.reshape(a.shape),)
+        return (reshaped(g, a.shape),)
 
-    return Tensor.from_operation(a.value.reshape(shape), (a,), vjp, "reshape")
+    return Tensor.from_operation(reshaped(a.value, shape), (a,), vjp, "reshape")
 
 
 def mean(a: Tensor, axis: int) -> Tensor:
@@ -196,23 +233,35 @@ def gather_rows(table: Tensor, ids: IndexArray) -> Tensor:
     width = table.shape[1]
 
     def vjp(g: Array) -> tuple[Array]:
-        grad = np.zeros(table.shape, dtype=np.float64)
+        grad = workspace.zeros(table.shape)
         np.add.at(grad, ids.reshape(-1), g.reshape(-1, width))
         return (grad,)
 
-    return Tensor.from_operation(table.value[ids], (table,), vjp, "gather_rows")
+    rows = np.take(table.value, ids, axis=0, out=workspace.empty((*ids.shape, width)))
+    return Tensor.from_operation(rows, (table,), vjp, "gather_rows")
 
 
-def rotate_pairs(values: Array, cos: Array, sin: Array) -> Array:
+def rotate_pairs(values: Array, cos: Array, sin: Array, out: Array | None = None) -> Array:
     """``(a, b) -> (a cos - b sin, a sin + b cos)`` on interleaved pairs (2j, 2j+1) of the last
-    axis; ``-sin`` rotates back. A new array."""
+    axis; ``-sin`` rotates back. Written into ``out`` (a new array when None)."""
     first, second = values[..., 0::2], values[..., 1::2]
-    rotated = np.empty_like(values)
+    rotated = np.empty_like(values) if out is None else out
     even, odd = rotated[..., 0::2], rotated[..., 1::2]
     np.multiply(first, cos, out=even)
     even -= second * sin
     np.multiply(first, sin, out=odd)
     odd += second * cos
+    return rotated
+
+
+def _rotated(values: Array, cos: Array, sin: Array) -> Array:
+    """:func:`rotate_pairs` of ``[..., T, hw]`` values, the leading axes spread over threads."""
+    rotated = workspace.empty(values.shape)
+
+    def rotate_part(part: Part) -> None:
+        rotate_pairs(values[part], cos, sin, out=rotated[part])
+
+    run_in_parts(rotate_part, values.shape[:-2], values.size)
     return rotated
 
 
@@ -225,9 +274,9 @@ def rotary(x: Tensor, cos: Array, sin: Array) -> Tensor:
 
     def vjp(g: Array) -> tuple[Array]:
         # A rotation's transpose is the rotation by the opposite angle.
-        return (rotate_pairs(g, cos, -sin),)
+        return (_rotated(g, cos, -sin),)
 
-    return Tensor.from_operation(rotate_pairs(x.value, cos, sin), (x,), vjp, "rotary")
+    return Tensor.from_operation(_rotated(x.value, cos, sin), (x,), vjp, "rotary")
 
 
 def causal_softmax(scores: Tensor) -> Tensor:
@@ -247,18 +296,33 @@ def indexed_mean_nll(logits: Tensor, targets: IndexArray) -> Tensor:
     """Mean over rows of ``-log softmax(logits[row])[target]``; ``targets`` flat, in range."""
     vocabulary = logits.shape[-1]
     rows = logits.value.reshape(-1, vocabulary)
-    picked = np.arange(rows.shape[0])
-    row_max = rows.max(axis=-1, keepdims=True)
-    shifted = rows - row_max
-    np.exp(shifted, out=shifted)
-    totals = shifted.sum(axis=-1, keepdims=True)
-    log_sum_exp = (row_max + np.log(totals))[:, 0]
-    value = np.asarray(np.mean(log_sum_exp - rows[picked, targets]), dtype=np.float64)
+    count = rows.shape[0]
+    exponentials = workspace.empty(rows.shape)  # exp(row - row max), kept for backward
+    totals = np.empty((count, 1))
+    log_sum_exp = np.empty(count)
+
+    def forward_part(part: Part) -> None:
+        row_max = rows[part].max(axis=-1, keepdims=True)
+        shifted = exponentials[part]
+        np.subtract(rows[part], row_max, out=shifted)
+        np.exp(shifted, out=shifted)
+        shifted.sum(axis=-1, keepdims=True, out=totals[part])
+        log_sum_exp[part] = (row_max + np.log(totals[part]))[:, 0]
+
+    run_in_parts(forward_part, rows.shape[:1], rows.size)
+    value = np.asarray(np.mean(log_sum_exp - rows[np.arange(count), targets]), dtype=np.float64)
 
     def vjp(g: Array) -> tuple[Array]:
-        grad = shifted / totals  # a fresh array: the saved exponentials stay intact
-        grad[picked, targets] -= 1.0
-        grad *= g / rows.shape[0]
+        grad = workspace.empty(rows.shape)  # the saved exponentials stay intact
+        weight = g / count
+
+        def backward_part(part: Part) -> None:
+            grad_part = grad[part]
+            np.divide(exponentials[part], totals[part], out=grad_part)
+            grad_part[np.arange(grad_part.shape[0]), targets[part]] -= 1.0
+            grad_part *= weight
+
+        run_in_parts(backward_part, rows.shape[:1], rows.size)
         return (grad.reshape(logits.shape),)
 
     return Tensor.from_operation(value, (logits,), vjp, "indexed_mean_nll")
@@ -272,38 +336,71 @@ def rms_norm(x: Tensor, gain: Tensor, epsilon: float) -> Tensor:
     ``dx = r (g gain) - x r^3 mean((g gain) x)``, ``dgain = sum(g x r)``.
     """
     width = x.shape[-1]
-    mean_square = (x.value * x.value).mean(axis=-1, keepdims=True)
-    inverse_root = np.exp(-0.5 * np.log(mean_square + epsilon))
-    normalized = x.value * inverse_root
-    value = normalized * gain.value
+    leading = x.shape[:-1]
+    inverse_root = np.empty((*leading, 1))
+    normalized = workspace.empty(x.shape)
+    value = workspace.empty(x.shape)
+
+    def forward_part(part: Part) -> None:
+        rows = x.value[part]
+        squares = np.multiply(rows, rows, out=workspace.empty(rows.shape))
+        mean_square = squares.mean(axis=-1, keepdims=True)
+        np.exp(-0.5 * np.log(mean_square + epsilon), out=inverse_root[part])
+        np.multiply(rows, inverse_root[part], out=normalized[part])
+        np.multiply(normalized[part], gain.value, out=value[part])
+
+    run_in_parts(forward_part, leading, x.value.size)
 
     def vjp(g: Array) -> tuple[Array, Array]:
-        scaled = g * gain.value
-        projection = (scaled * x.value).sum(axis=-1, keepdims=True)
-        projection *= inverse_root**3 / width
-        grad_x = scaled * inverse_root
-        grad_x -= x.value * projection
-        grad_gain = (g * normalized).reshape(-1, width).sum(axis=0)
-        return grad_x, grad_gain
+        grad_x = workspace.empty(x.shape)
+        gain_terms = workspace.empty(x.shape)
+
+        def backward_part(part: Part) -> None:
+            rows, root = x.value[part], inverse_root[part]
+            scaled = np.multiply(g[part], gain.value, out=workspace.empty(rows.shape))
+            scratch = np.multiply(scaled, rows, out=workspace.empty(rows.shape))
+            projection = scratch.sum(axis=-1, keepdims=True)
+            projection *= root**3 / width
+            into = grad_x[part]
+            np.multiply(scaled, root, out=into)
+            into -= np.multiply(rows, projection, out=scratch)
+            np.multiply(g[part], normalized[part], out=gain_terms[part])
+
+        run_in_parts(backward_part, leading, x.value.size)
+        return grad_x, gain_terms.reshape(-1, width).sum(axis=0)
 
     return Tensor.from_operation(value, (x, gain), vjp, "rms_norm")
 
 
 def swiglu_product(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` as one operation (the SwiGLU hidden activation)."""
-    sigmoids = sigmoid(gate.value)
-    activated = gate.value * sigmoids
+    leading = gate.shape[:-1]
+    sigmoids, activated, value = (workspace.empty(gate.shape) for _ in range(3))
+
+    def forward_part(part: Part) -> None:
+        sigmoids[part] = sigmoid(gate.value[part])
+        np.multiply(gate.value[part], sigmoids[part], out=activated[part])
+        np.multiply(activated[part], up.value[part], out=value[part])
+
+    run_in_parts(forward_part, leading, gate.value.size)
 
     def vjp(g: Array) -> tuple[Array, Array]:
-        grad_gate = 1.0 - sigmoids
-        grad_gate *= gate.value
-        grad_gate += 1.0
-        grad_gate *= sigmoids
-        grad_gate *= up.value
-        grad_gate *= g
-        return grad_gate, g * activated
+        grad_gate, grad_up = workspace.empty(gate.shape), workspace.empty(gate.shape)
 
-    return Tensor.from_operation(activated * up.value, (gate, up), vjp, "swiglu_product")
+        def backward_part(part: Part) -> None:
+            into = grad_gate[part]
+            np.subtract(1.0, sigmoids[part], out=into)
+            into *= gate.value[part]
+            into += 1.0
+            into *= sigmoids[part]
+            into *= up.value[part]
+            into *= g[part]
+            np.multiply(g[part], activated[part], out=grad_up[part])
+
+        run_in_parts(backward_part, leading, gate.value.size)
+        return grad_gate, grad_up
+
+    return Tensor.from_operation(value, (gate, up), vjp, "swiglu_product")
 
 
 _FUTURE_MASKS: dict[int, npt.NDArray[np.bool_]] = {}
@@ -319,10 +416,10 @@ def future_mask(length: int) -> npt.NDArray[np.bool_]:
     return mask
 
 
-def causal_weights(query: Array, key_transposed: Array) -> Array:
+def causal_weights(query: Array, key_transposed: Array, out: Array | None = None) -> Array:
     """``softmax(q k^T / sqrt(hw))`` with keys after each query masked, ``[..., T, T]``."""
     future = future_mask(query.shape[-2])
-    weights: Array = query @ key_transposed
+    weights: Array = np.matmul(query, key_transposed, out=out)
     weights /= math.sqrt(query.shape[-1])
     np.copyto(weights, -np.inf, where=future)
     weights -= weights.max(axis=-1, keepdims=True)
@@ -337,8 +434,9 @@ def causal_weights(query: Array, key_transposed: Array) -> Array:
 
 def score_gradient(g: Array, weights: Array, value_transposed: Array) -> Array:
     """d loss / d scores (already divided by sqrt(hw)) for ``out = weights @ v``."""
-    gradient: Array = g @ value_transposed
-    gradient -= (gradient * weights).sum(axis=-1, keepdims=True)
+    gradient = np.matmul(g, value_transposed, out=workspace.empty(weights.shape))
+    products = np.multiply(gradient, weights, out=workspace.empty(weights.shape))
+    gradient -= products.sum(axis=-1, keepdims=True)
     gradient *= weights
     gradient /= math.sqrt(g.shape[-1])
     return gradient
@@ -348,17 +446,31 @@ def causal_attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
     """``softmax(q k^T / sqrt(hw), keys after the query masked) v`` for ``[B, H, T, hw]``.
 
     The scores, the mask, the softmax and the weighted sum as one operation: the forward
-    arithmetic of :func:`causal_softmax` over :func:`matmul`, with one saved matrix.
+    arithmetic of :func:`causal_softmax` over :func:`matmul`, with one saved matrix. Batch
+    and heads are spread over threads.
     """
-    weights = causal_weights(query.value, np.ascontiguousarray(np.swapaxes(key.value, -1, -2)))
+    *leading, tokens, _ = query.shape
+    weights = workspace.empty((*leading, tokens, tokens))
+    attended = workspace.empty(value.shape)
+    keys_transposed = np.swapaxes(key.value, -1, -2)
+
+    def forward_part(part: Part) -> None:
+        causal_weights(query.value[part], keys_transposed[part], out=weights[part])
+        np.matmul(weights[part], value.value[part], out=attended[part])
+
+    run_in_parts(forward_part, weights.shape[:-2], weights.size)
 
     def vjp(g: Array) -> tuple[Array, Array, Array]:
-        scores = score_gradient(g, weights, np.ascontiguousarray(np.swapaxes(value.value, -1, -2)))
-        grad_query = scores @ key.value
-        grad_key = np.swapaxes(scores, -1, -2) @ query.value
-        grad_value = np.swapaxes(weights, -1, -2) @ g
+        grad_query, grad_key, grad_value = (workspace.empty(query.shape) for _ in range(3))
+        values_transposed = np.swapaxes(value.value, -1, -2)
+
+        def backward_part(part: Part) -> None:
+            scores = score_gradient(g[part], weights[part], values_transposed[part])
+            np.matmul(scores, key.value[part], out=grad_query[part])
+            np.matmul(np.swapaxes(scores, -1, -2), query.value[part], out=grad_key[part])
+            np.matmul(np.swapaxes(weights[part], -1, -2), g[part], out=grad_value[part])
+
+        run_in_parts(backward_part, weights.shape[:-2], weights.size)
         return grad_query, grad_key, grad_value
 
-    return Tensor.from_operation(
-        weights @ value.value, (query, key, value), vjp, "causal_attention"
-    )
+    return Tensor.from_operation(attended, (query, key, value), vjp, "causal_attention")
