@@ -126,7 +126,7 @@ def _matrix_products(pairs: list[tuple[Array, Array]]) -> list[Array]:
         functools.partial(np.matmul, a, b, out=out)
         for (a, b), out in zip(pairs, products, strict=True)
     ]
-    run_concurrently(tasks)
+    run_concurrently(tasks, sum(a.shape[0] * a.shape[1] * b.shape[1] for a, b in pairs))
     return products
 
 

@@ -179,14 +179,20 @@ def run_in_parts(kernel: Callable[[Part], None], shape: tuple[int, ...], work: i
     _run([functools.partial(kernel, piece) for piece in pieces])
 
 
-def run_concurrently(tasks: Sequence[Callable[[], object]]) -> None:
+def run_concurrently(tasks: Sequence[Callable[[], object]], work: int) -> None:
     """Run independent tasks at once, one thread each (at most :func:`thread_count` at once).
 
     For a few large matrix products: each product whole on one thread is faster than each
     product split by rows over all threads (every thread would pack the same operand).
-    Inside a part or task, or with one thread, the tasks run one after another.
+    ``work`` is what all tasks do together, as for :func:`run_in_parts`; small work, work
+    asked for from inside a part or task, and work with one thread run one task after another.
     """
-    if len(tasks) < 2 or _THREADS.count < 2 or getattr(_THREADS.local, "busy", False):
+    if (
+        len(tasks) < 2
+        or _THREADS.count < 2
+        or work // MIN_WORK_PER_PART < 2
+        or getattr(_THREADS.local, "busy", False)
+    ):
         for task in tasks:
             task()
         return

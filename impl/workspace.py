@@ -67,6 +67,7 @@ class _Workspace:
         self._buffers: OrderedDict[int, list[Array]] = OrderedDict()
 
     def empty(self, shape: tuple[int, ...]) -> Array:
+        """An uninitialized float64 array of ``shape``: a reused buffer when one is free."""
         size = math.prod(shape)
         nbytes = size * _ITEM_BYTES
         if nbytes < MIN_POOLED_BYTES:
@@ -106,11 +107,7 @@ class _Workspace:
 
 
 _WORKSPACE = _Workspace(_configured_limit())
-
-
-def empty(shape: tuple[int, ...]) -> Array:
-    """An uninitialized float64 array of ``shape``: a reused buffer when one is free."""
-    return _WORKSPACE.empty(shape)
+empty = _WORKSPACE.empty  # called for every array the reference makes: one call, not two
 
 
 def zeros(shape: tuple[int, ...]) -> Array:

@@ -210,9 +210,22 @@ def test_concurrent_tasks_run_on_separate_threads_and_nest_inline(
         # Work asked for from inside a task runs inline: no helper waits on a busy helper.
         parallel.run_in_parts(inner.append, (8,), 8 * parallel.MIN_WORK_PER_PART)
 
-    parallel.run_concurrently([task, task])
+    parallel.run_concurrently([task, task], 2 * parallel.MIN_WORK_PER_PART)
     assert len(set(names)) == 2
     assert inner == [(slice(None),), (slice(None),)]
+
+
+def test_small_concurrent_work_runs_in_the_calling_thread(
+    threads: Callable[[int], None],
+) -> None:
+    threads(2)
+    names: list[str] = []
+
+    def task() -> None:
+        names.append(threading.current_thread().name)
+
+    parallel.run_concurrently([task, task], parallel.MIN_WORK_PER_PART)
+    assert names == [threading.current_thread().name] * 2
 
 
 def test_concurrent_products_equal_the_products_one_by_one(
