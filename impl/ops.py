@@ -210,9 +210,11 @@ def exp(a: Tensor) -> Tensor:
     return Tensor.from_operation(value, (a,), vjp, "exp")
 
 
-def sigmoid(u: Array) -> Array:
-    """``1 / (1 + exp(-u))`` as ``(1 + tanh(u / 2)) / 2``: one transcendental, no overflow."""
-    result: Array = np.tanh(0.5 * u)
+def sigmoid(u: Array, out: Array | None = None) -> Array:
+    """``1 / (1 + exp(-u))`` as ``(1 + tanh(u / 2)) / 2``: one transcendental, no overflow.
+    Written into ``out`` (a new array when None)."""
+    result: Array = np.multiply(u, 0.5, out=out)
+    np.tanh(result, out=result)
     result += 1.0
     result *= 0.5
     return result
@@ -378,7 +380,7 @@ def swiglu_product(gate: Tensor, up: Tensor) -> Tensor:
     sigmoids, activated, value = (workspace.empty(gate.shape) for _ in range(3))
 
     def forward_part(part: Part) -> None:
-        sigmoids[part] = sigmoid(gate.value[part])
+        sigmoid(gate.value[part], out=sigmoids[part])
         np.multiply(gate.value[part], sigmoids[part], out=activated[part])
         np.multiply(activated[part], up.value[part], out=value[part])
 
