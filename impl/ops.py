@@ -65,8 +65,7 @@ def add(a: Tensor, b: Tensor) -> Tensor:
     def vjp(g: Array) -> tuple[Array, Array]:
         return unbroadcast(g, a.shape), unbroadcast(g, b.shape)
 
-    total = workspace.empty(np.broadcast_shapes(a.shape, b.shape))
-    return Tensor.from_operation(np.add(a.value, b.value, out=total), (a, b), vjp, "add")
+    return Tensor.from_operation(workspace.add(a.value, b.value), (a, b), vjp, "add")
 
 
 def mul(a: Tensor, b: Tensor) -> Tensor:
@@ -107,27 +106,29 @@ def divide(a: Tensor, divisor: float) -> Tensor:
 
 def _matrix_product(a: Array, b: Array) -> Array:
     """``a @ b`` for 2-D operands, the rows of ``a`` spread over threads."""
-    product = workspace.empty((a.shape[0], b.shape[1]))
-
-    def multiply_part(part: Part) -> None:
-        np.matmul(a[part], b, out=product[part])
-
-    run_in_parts(multiply_part, product.shape[:1], a.shape[0] * a.shape[1] * b.shape[1])
+    (product,) = _matrix_products([(a, b)])
     return product
 
 
 def _matrix_products(pairs: list[tuple[Array, Array]]) -> list[Array]:
     """``a @ b`` for each pair of 2-D operands: one product per thread when there are at
     least as many products as threads, else each product split by rows."""
-    if len(pairs) < thread_count():
-        return [_matrix_product(a, b) for a, b in pairs]
     products = [workspace.empty((a.shape[0], b.shape[1])) for a, b in pairs]
-    tasks = [
-        functools.partial(np.matmul, a, b, out=out)
-        for (a, b), out in zip(pairs, products, strict=True)
-    ]
-    run_concurrently(tasks, sum(a.shape[0] * a.shape[1] * b.shape[1] for a, b in pairs))
+    multiply_adds = [a.shape[0] * a.shape[1] * b.shape[1] for a, b in pairs]
+    if len(pairs) >= thread_count():
+        tasks = [
+            functools.partial(np.matmul, a, b, out=out)
+            for (a, b), out in zip(pairs, products, strict=True)
+        ]
+        run_concurrently(tasks, sum(multiply_adds))
+        return products
+    for (a, b), product, work in zip(pairs, products, multiply_adds, strict=True):
+        run_in_parts(functools.partial(_multiply_rows, a, b, product), product.shape[:1], work)
     return products
+
+
+def _multiply_rows(a: Array, b: Array, product: Array, part: Part) -> None:
+    np.matmul(a[part], b, out=product[part])
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -167,9 +168,7 @@ def reshaped(array: Array, shape: tuple[int, ...]) -> Array:
     """``array.reshape(shape)``; where that needs a copy, the copy is a workspace buffer."""
     if array.flags.c_contiguous:
         return array.reshape(shape)
-    copied = workspace.empty(array.shape)
-    np.copyto(copied, array)
-    return copied.reshape(shape)
+    return workspace.copy(array).reshape(shape)
 
 
 def reshape(a: Tensor, shape: tuple[int, ...]) -> Tensor:

@@ -117,14 +117,16 @@ class Tensor:
             if gradient is None:
                 continue
             if node._vjp is None:
-                node.grad = _copy(gradient) if node.grad is None else node.grad + gradient
+                node.grad = workspace.copy(gradient) if node.grad is None else node.grad + gradient
                 continue
             for parent, contribution in zip(node._parents, node._vjp(gradient), strict=True):
                 if contribution is None or not parent.requires_grad:
                     continue
                 key = id(parent)
                 pending[key] = (
-                    contribution if key not in pending else _sum(pending[key], contribution)
+                    contribution
+                    if key not in pending
+                    else workspace.add(pending[key], contribution)
                 )
             if not retain_graph:
                 node._vjp = _released
@@ -132,18 +134,6 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"Tensor(op={self.op!r}, shape={list(self.shape)})"
-
-
-def _copy(array: Array) -> Array:
-    copied = workspace.empty(array.shape)
-    np.copyto(copied, array)
-    return copied
-
-
-def _sum(first: Array, second: Array) -> Array:
-    return np.add(
-        first, second, out=workspace.empty(np.broadcast_shapes(first.shape, second.shape))
-    )
 
 
 def _released(gradient: Array) -> Sequence[Array | None]:

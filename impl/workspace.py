@@ -29,7 +29,16 @@ from collections import OrderedDict
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MIN_POOLED_BYTES", "cached_bytes", "empty", "limit_bytes", "release", "zeros"]
+__all__ = [
+    "MIN_POOLED_BYTES",
+    "add",
+    "cached_bytes",
+    "copy",
+    "empty",
+    "limit_bytes",
+    "release",
+    "zeros",
+]
 
 # Smaller arrays come from glibc's heap, which reuses them cheaply without this cache.
 MIN_POOLED_BYTES = 128 * 1024
@@ -115,6 +124,18 @@ def zeros(shape: tuple[int, ...]) -> Array:
     array = empty(shape)
     array.fill(0.0)
     return array
+
+
+def copy(array: Array) -> Array:
+    """A copy of ``array`` (C order) in a buffer from :func:`empty`."""
+    copied = empty(array.shape)
+    np.copyto(copied, array)
+    return copied
+
+
+def add(first: Array, second: Array) -> Array:
+    """``first + second`` (broadcasting) in a buffer from :func:`empty`."""
+    return np.add(first, second, out=empty(np.broadcast_shapes(first.shape, second.shape)))
 
 
 def release() -> None:
