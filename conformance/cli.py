@@ -69,7 +69,7 @@ def _add_suite_commands(commands: Any) -> None:
     run.add_argument(
         "--pytest-args",
         default="",
-        help='extra pytest arguments, quoted as one string (for example "-x -k tying")',
+        help='extra pytest arguments, quoted as one string (for example "-x -k tying" or "-x")',
     )
     golden = commands.add_parser(
         "golden",
@@ -533,11 +533,31 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], str]] = {
 }
 
 
+# Options whose value is a command line of its own, and so often starts with a dash.
+_PASS_THROUGH_OPTIONS = ("--pytest-args",)
+
+
+def attach_pass_through_values(argv: Sequence[str]) -> list[str]:
+    """``--pytest-args -x`` as ``--pytest-args=-x``: argparse would read a lone value that
+    starts with a dash as an option and refuse it ("expected one argument")."""
+    attached: list[str] = []
+    arguments = iter(argv)
+    for argument in arguments:
+        if argument in _PASS_THROUGH_OPTIONS:
+            value = next(arguments, None)
+            attached.append(argument if value is None else f"{argument}={value}")
+        else:
+            attached.append(argument)
+    return attached
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = _build_parser()
     try:
-        options = parser.parse_args(argv)
+        options = parser.parse_args(
+            attach_pass_through_values(sys.argv[1:] if argv is None else argv)
+        )
         output = _COMMANDS[options.command](options)
     except CommandLineError as error:
         print(error, file=sys.stderr)

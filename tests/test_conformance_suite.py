@@ -257,3 +257,20 @@ def test_plugin_is_inert_outside_the_suite(pytester: pytest.Pytester) -> None:
     (package / "test_unruled.py").write_text("def test_orphan():\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", str(package))
     result.assert_outcomes(passed=1)  # outside the conformance package the plugin is inert
+
+
+@pytest.mark.parametrize(
+    ("given", "pytest_arguments"),
+    [
+        (["--pytest-args", "-x"], "-x"),
+        (["--pytest-args", "-x -k tying"], "-x -k tying"),
+        (["--pytest-args=-x"], "-x"),
+        (["--pytest-args", "--lf", "-n", "2"], "--lf"),
+    ],
+)
+def test_pytest_arguments_may_start_with_a_dash(given: list[str], pytest_arguments: str) -> None:
+    from conformance.cli import _build_parser, attach_pass_through_values
+
+    options = _build_parser().parse_args(attach_pass_through_values(["run", *given]))
+    assert options.pytest_args == pytest_arguments
+    assert options.workers == (2 if "-n" in given else 0)
