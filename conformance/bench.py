@@ -21,7 +21,14 @@ from typing import Any
 from impl.parallel import THREAD_VARIABLES
 from spec.config import FIXTURE, DecoderConfig
 
-__all__ = ["SIZES", "BenchResult", "forward_backward_flops", "render_bench", "run_bench"]
+__all__ = [
+    "SIZES",
+    "BenchResult",
+    "forward_backward_flops",
+    "linear_product_flops",
+    "render_bench",
+    "run_bench",
+]
 
 SIZES: dict[str, tuple[DecoderConfig, int, int]] = {
     "small": (FIXTURE.config, 1, 3),
@@ -33,13 +40,20 @@ TOKEN_STEPS = (64, 128, 256, 512, 1024)
 LAYER_STEPS = (1, 2, 4, 8, 16)
 
 
-def forward_backward_flops(config: DecoderConfig, batch: int, length: int) -> float:
-    """Matrix-product FLOPs of one forward + backward pass (backward = 2 x forward)."""
+def linear_product_flops(config: DecoderConfig, batch: int, length: int) -> float:
+    """FLOPs of one forward + backward pass in the products with a weight matrix: the seven
+    projections of every block and the tied head (backward = 2 x forward)."""
     d, f, v = config.model_width, config.feed_forward_width, config.vocabulary_size
     rows = batch * length
-    per_block = 2 * rows * (4 * d * d + 3 * d * f) + 2 * 2 * batch * length * length * d
-    forward = config.layers * per_block + 2 * rows * d * v
+    forward = config.layers * 2 * rows * (4 * d * d + 3 * d * f) + 2 * rows * d * v
     return 3.0 * forward
+
+
+def forward_backward_flops(config: DecoderConfig, batch: int, length: int) -> float:
+    """Matrix-product FLOPs of one forward + backward pass: the linear products and the
+    attention scores and weighted sums (backward = 2 x forward)."""
+    attention = config.layers * 2 * 2 * batch * length * length * config.model_width
+    return linear_product_flops(config, batch, length) + 3.0 * attention
 
 
 @dataclass
@@ -48,6 +62,10 @@ class Measurement:
 
     seconds: list[float] = field(default_factory=list)
     peak_mib: float | None = None
+    # With --breakdown: per round, an instrumented step's mean time and its share spent in
+    # the linear-layer matrix products.
+    instrumented_seconds: list[float] = field(default_factory=list)
+    product_seconds: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -104,6 +122,7 @@ def _measure(
     repeats: int,
     threads: int,
     environment: dict[str, str],
+    breakdown: bool = False,
 ) -> dict[str, Measurement]:
     measured = {backend: Measurement() for backend in backends}
     for _ in range(rounds):
@@ -113,8 +132,11 @@ def _measure(
                 "--batch", str(batch), "--tokens", str(length),
                 "--repeats", str(repeats), "--threads", str(threads),
             ]  # fmt: skip
-            answer = _worker(job, environment)
+            answer = _worker([*job, "--breakdown"] if breakdown else job, environment)
             measured[backend].seconds.extend(answer["seconds"])
+            if breakdown:
+                measured[backend].instrumented_seconds.append(answer["instrumented_seconds"])
+                measured[backend].product_seconds.append(answer["product_seconds"])
             peak = answer.get("peak_mib")
             if peak is not None:
                 previous = measured[backend].peak_mib
@@ -130,9 +152,11 @@ def run_bench(
     repeats: int = 3,
     scaling: bool = True,
     tuned_allocator: bool = False,
+    breakdown: bool = False,
     progress: Any = None,
 ) -> BenchResult:
-    """Measure the reference (and torch, when installed) at the given sizes and scalings."""
+    """Measure the reference (and torch, when installed) at the given sizes and scalings;
+    ``breakdown`` also splits each size's step into linear-layer products and the rest."""
     environment = _environment(threads, tuned_allocator)
     backends = ["reference", *(["torch"] if find_spec("torch") is not None else [])]
     rate = _worker(["--backend", "matmul", "--threads", str(threads)], environment)["gflops"]
@@ -150,6 +174,7 @@ def run_bench(
             repeats=repeats,
             threads=threads,
             environment=environment,
+            breakdown=breakdown,
         )
     if scaling:
         medium, batch, length = SIZES["medium"]
@@ -194,6 +219,34 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
 
 
+def _breakdown_lines(result: BenchResult) -> list[str]:
+    """Where each backend's step goes: linear-layer matrix products against everything else."""
+    rows = [
+        (name, backend, measured)
+        for name, by_backend in result.sizes.items()
+        for backend, measured in by_backend.items()
+        if measured.product_seconds
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "where a step goes (instrumented steps, after the timed ones): matrix products with a",
+        "weight matrix (the projections and the tied head) against everything else",
+        f"{'size':<7} {'backend':<9} {'step':>9} {'products':>9} {'GFLOP/s':>8} {'the rest':>9}",
+    ]
+    for name, backend, measured in rows:
+        config, batch, length = SIZES[name]
+        step = statistics.median(measured.instrumented_seconds)
+        products = statistics.median(measured.product_seconds)
+        rate = linear_product_flops(config, batch, length) / products / 1e9 if products else 0.0
+        lines.append(
+            f"{name:<7} {backend:<9} {step:>8.4f}s {products:>8.4f}s {rate:>8.1f} "
+            f"{step - products:>8.4f}s"
+        )
+    return lines
+
+
 def render_bench(result: BenchResult) -> str:
     """The size table and the two scaling tables."""
     lines = [
@@ -217,6 +270,7 @@ def render_bench(result: BenchResult) -> str:
             f"{_rate(flops, ref, result):>14} {_rate(flops, torch, result):>14} "
             f"{ref_peak:>8} {torch_peak:>9} {memory_ratio:>9}"
         )
+    lines += _breakdown_lines(result)
     tables = (
         ("tokens (medium model, batch 1)", result.tokens),
         ("layers (medium model, 4 x 128)", result.layers),

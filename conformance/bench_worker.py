@@ -2,7 +2,10 @@
 
 Builds one backend's model for one size, runs forward + backward once to warm up, resets the
 kernel's resident-memory high-water mark, then times ``repeats`` steps. Prints one JSON line:
-the step times, and the peak resident memory the steps added over the built model.
+the step times, and the peak resident memory the steps added over the built model. With
+``--breakdown`` it then runs ``repeats`` more steps, instrumented, and adds how long each spent
+in the matrix products of the linear layers and the head (for torch, ``aten::mm`` under
+torch.profiler), so the time left is everything else: attention, norms, activations, the loss.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +77,49 @@ def _torch_step(config: DecoderConfig, tokens: Any, targets: Any, threads: int) 
     return step
 
 
+def _reference_breakdown(step: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """Mean seconds per step, and of those in the linear-layer products, timed around the one
+    function every 2-D weight product of the reference goes through."""
+    from impl import ops
+
+    product_seconds = 0.0
+    unwrapped = ops._matrix_products
+
+    def timed(pairs: list[tuple[Any, Any]]) -> list[Any]:
+        nonlocal product_seconds
+        started = time.perf_counter()
+        try:
+            return unwrapped(pairs)
+        finally:
+            product_seconds += time.perf_counter() - started
+
+    ops._matrix_products = timed
+    try:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        elapsed = time.perf_counter() - started
+    finally:
+        ops._matrix_products = unwrapped
+    return elapsed / repeats, product_seconds / repeats
+
+
+def _torch_breakdown(step: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """Mean seconds per step, and of those in ``aten::mm`` (every linear-layer and head product;
+    attention's batched products are ``aten::bmm``, which the reference counts as the rest too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        elapsed = time.perf_counter() - started
+    microseconds = sum(
+        event.self_cpu_time_total for event in profiled.key_averages() if event.key == "aten::mm"
+    )
+    return elapsed / repeats, microseconds / 1e6 / repeats
+
+
 def _matmul_rate(threads: int, size: int = 1024, repeats: int = 5) -> float:
     """This machine's float64 matrix-multiply rate (GFLOP/s) through numpy, median of runs."""
     rng = np.random.default_rng(0)
@@ -95,6 +142,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--breakdown", action="store_true")
     options = parser.parse_args()
     if options.backend == "matmul":
         print(json.dumps({"gflops": _matmul_rate(options.threads)}))
@@ -119,7 +167,11 @@ def main() -> None:
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
-    print(json.dumps({"seconds": times, "peak_mib": None if peak is None else peak / 1024}))
+    answer: dict[str, Any] = {"seconds": times, "peak_mib": None if peak is None else peak / 1024}
+    if options.breakdown:
+        measure = _reference_breakdown if options.backend == "reference" else _torch_breakdown
+        answer["instrumented_seconds"], answer["product_seconds"] = measure(step, options.repeats)
+    print(json.dumps(answer))
 
 
 if __name__ == "__main__":

@@ -141,6 +141,11 @@ def _add_suite_commands(commands: Any) -> None:
         action="store_true",
         help="raise glibc's mmap and trim thresholds for both backends (fewer page faults)",
     )
+    bench.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also split each size's step into weight-matrix products and the rest",
+    )
     bench.add_argument("--json", metavar="FILE", help="also write the measurements as JSON")
     mutants = commands.add_parser(
         "mutants",
@@ -492,6 +497,7 @@ def _run_bench(options: argparse.Namespace) -> str:
         repeats=options.repeats,
         scaling=not options.no_scaling,
         tuned_allocator=options.tuned_allocator,
+        breakdown=options.breakdown,
         progress=lambda text: print(text, file=sys.stderr, flush=True),
     )
     if options.json:
