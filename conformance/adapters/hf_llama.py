@@ -31,6 +31,7 @@ from conformance.adapter import (
     LossOutput,
     Parameters,
 )
+from conformance.adapters.torch_backend import as_forward_output, mean_nll
 from spec.config import DecoderConfig
 from spec.parameters import parameter_names
 from spec.tolerances import Precision
@@ -180,10 +181,7 @@ class HFLlamaBackend(BackendBase):
             tokens = np.asarray(tokens).reshape(shape)
         with torch.no_grad():
             stages, logits = self._run(model, tokens)
-        return ForwardOutput(
-            logits=logits.double().numpy().copy(),
-            stages=[(name, value.double().numpy().copy()) for name, value in stages],
-        )
+        return as_forward_output(stages, logits)
 
     def loss(
         self,
@@ -199,9 +197,8 @@ class HFLlamaBackend(BackendBase):
         config, hf = model
         hf.zero_grad(set_to_none=True)
         _, logits = self._run(model, tokens)
-        labels = torch.as_tensor(np.asarray(targets, dtype=np.int64).reshape(-1))
         # Targets are aligned with positions here; transformers' own loss would shift them.
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocabulary_size), labels)
+        loss = mean_nll(logits, targets, config.vocabulary_size)
         torch.autograd.backward([loss])
         hf_parameters = dict(hf.named_parameters())
         gradients = {}

@@ -37,7 +37,23 @@ from spec.validation import (
     token_violation,
 )
 
-__all__ = ["TorchBackend", "TorchDecoder", "TorchFloat32Backend"]
+__all__ = ["TorchBackend", "TorchDecoder", "TorchFloat32Backend", "as_forward_output", "mean_nll"]
+
+
+def as_forward_output(
+    stages: list[tuple[str, torch.Tensor]], logits: torch.Tensor
+) -> ForwardOutput:
+    """Stages and logits of a torch forward pass as float64 numpy copies."""
+    return ForwardOutput(
+        logits=logits.double().numpy().copy(),
+        stages=[(name, value.double().numpy().copy()) for name, value in stages],
+    )
+
+
+def mean_nll(logits: torch.Tensor, targets: npt.ArrayLike, vocabulary_size: int) -> torch.Tensor:
+    """Mean negative log-likelihood of ``targets`` (aligned with positions, not shifted)."""
+    labels = torch.as_tensor(np.asarray(targets, dtype=np.int64).reshape(-1))
+    return nn.functional.cross_entropy(logits.reshape(-1, vocabulary_size), labels)
 
 
 class RMSNorm(nn.Module):
@@ -228,10 +244,7 @@ class TorchBackend(BackendBase):
         ids = self._ids(model, tokens, shape)
         with torch.no_grad():
             stages, logits = model[1](ids)
-        return ForwardOutput(
-            logits=logits.double().numpy().copy(),
-            stages=[(name, value.double().numpy().copy()) for name, value in stages],
-        )
+        return as_forward_output(stages, logits)
 
     def loss(
         self,
@@ -245,10 +258,9 @@ class TorchBackend(BackendBase):
         config, module = model
         _refuse(loss_violation(config, tokens, targets))
         ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
-        labels = torch.as_tensor(np.asarray(targets, dtype=np.int64).reshape(-1))
         module.zero_grad(set_to_none=True)
         _, logits = module(ids, detach_lookup=detach_lookup, detach_head=detach_head)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, config.vocabulary_size), labels)
+        loss = mean_nll(logits, targets, config.vocabulary_size)
         torch.autograd.backward([loss])
         gradients = {
             name: np.zeros(tuple(p.shape)) if p.grad is None else p.grad.double().numpy().copy()
