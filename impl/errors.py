@@ -411,7 +411,7 @@ class TargetDtype(TokenInputError):
 
 @dataclass(eq=False)
 class TargetCountMismatch(TokenInputError):
-    """The targets are not one per token (shape ``[B, T]`` or ``[B*T]``)."""
+    """The targets are not one per token (B*T target IDs, in any shape)."""
 
     KIND: ClassVar[ErrorKind] = ErrorKind.TARGET_COUNT_MISMATCH
     expected: int

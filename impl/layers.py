@@ -98,9 +98,11 @@ class RMSNorm:
         self.epsilon = epsilon
 
     def forward(self, x: Tensor) -> Tensor:
-        """Normalize every row; with epsilon 0 an all-zero row is refused, not a NaN."""
+        """Normalize every row; with epsilon 0 a row whose float64 mean square is exactly 0
+        (all zeros, or values so small their squares underflow) is refused, not a NaN."""
         if self.epsilon == 0.0:
-            zero_rows = np.flatnonzero(~np.any(x.value.reshape(-1, x.shape[-1]) != 0.0, axis=-1))
+            rows = x.value.reshape(-1, x.shape[-1])
+            zero_rows = np.flatnonzero(np.mean(rows * rows, axis=-1) == 0.0)
             if zero_rows.size:
                 raise RmsZeroMeanSquare(row=int(zero_rows[0]))
         return ops.rms_norm(x, self.gain.tensor, self.epsilon)

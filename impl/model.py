@@ -61,6 +61,7 @@ from impl.tape import Array, Tensor
 from spec.config import DecoderConfig
 from spec.parameters import parameter_count, parameter_layout, tensor_count
 from spec.recipe import SplitMix64, initial_parameters
+from spec.validation import MAX_INDEX
 
 __all__ = [
     "MAX_PARAMETER_SCALARS",
@@ -74,7 +75,6 @@ ParameterEntry = NamedParameter | tuple[str, npt.ArrayLike]
 
 # 2**31 float64 scalars are 16 GiB; anything larger is refused before allocating.
 MAX_PARAMETER_SCALARS = 2**31
-_MAX_INDEX = int(np.iinfo(np.intp).max)
 _INTEGER_FIELDS = (
     "vocabulary_size",
     "model_width",
@@ -326,6 +326,13 @@ class DecoderModel:
         ``tokens`` is a ``[B, T]`` array, or flat IDs with an explicit ``shape``.
         Order: dtype; rank; batch; tokens; context; B*T overflow; ID count; ID range.
         """
+        flat, batch, length = self._validate_token_shape(tokens, shape)
+        return self._checked_token_ids(flat, batch, length)
+
+    def _validate_token_shape(
+        self, tokens: npt.ArrayLike, shape: Sequence[int] | None
+    ) -> tuple[npt.NDArray[np.generic], int, int]:
+        """The flat IDs, batch and length, once every rule before the ID range holds."""
         array, problem = _integer_ids_problem(tokens)
         if array is None:
             raise TokenDtype(what="token IDs", expected="an integer array", actual=str(problem))
@@ -346,11 +353,16 @@ class DecoderModel:
             raise EmptyTokens()
         if length > self.config.context:
             raise ContextLengthExceeded(tokens=length, context=self.config.context)
-        if batch * length > _MAX_INDEX:
+        if batch * length > MAX_INDEX:
             raise TokenCountOverflow(batch=batch, tokens=length)
         if array.size != batch * length:
             raise TokenCountMismatch(expected=batch * length, actual=int(array.size))
-        flat = array.reshape(-1)
+        return array.reshape(-1), batch, length
+
+    def _checked_token_ids(
+        self, flat: npt.NDArray[np.generic], batch: int, length: int
+    ) -> IndexArray:
+        """The ``[B, T]`` index array, once every ID is inside the vocabulary."""
         position = first_out_of_range(flat, self.config.vocabulary_size)
         if position is not None:
             raise TokenIdOutOfBounds(
@@ -361,12 +373,16 @@ class DecoderModel:
         return flat.astype(np.intp).reshape(batch, length)
 
     def validate_targets(self, targets: npt.ArrayLike, batch: int, length: int) -> IndexArray:
-        """The flat target indices, or the first rule they break (dtype, count, range)."""
+        """The flat target indices, or the first rule they break (dtype, count, range).
+
+        Targets are counted, not shaped: the seed takes them as one flat list, so any array
+        of ``batch * length`` IDs is one target per token.
+        """
         array, problem = _integer_ids_problem(targets)
         if array is None:
             raise TargetDtype(expected="an integer array", actual=str(problem))
         expected = batch * length
-        if array.shape not in ((expected,), (batch, length)):
+        if array.size != expected:
             raise TargetCountMismatch(
                 expected=expected, actual=int(array.size), shape=tuple(array.shape)
             )
@@ -422,9 +438,14 @@ class DecoderModel:
         detach_lookup: bool = False,
         detach_head: bool = False,
     ) -> Tensor:
-        """Mean over all B*T positions of ``-log softmax(logits[b, t])[targets[b, t]]``."""
-        ids = self.validate_tokens(tokens, shape)
-        target_ids = self.validate_targets(targets, *ids.shape)
+        """Mean over all B*T positions of ``-log softmax(logits[b, t])[targets[b, t]]``.
+
+        Checked in the seed's order: the token shape rules, then the targets (dtype, count,
+        range), and only then the token IDs, as the seed's forward pass looks them up.
+        """
+        flat, batch, length = self._validate_token_shape(tokens, shape)
+        target_ids = self.validate_targets(targets, batch, length)
+        ids = self._checked_token_ids(flat, batch, length)
         result = self._forward(ids, detach_lookup=detach_lookup, detach_head=detach_head)
         return ops.indexed_mean_nll(result.logits, target_ids)
 

@@ -27,8 +27,9 @@ __all__ = [
     "token_violation",
 ]
 
-# The largest flat index (a signed 64-bit size); B*T beyond it overflows.
-MAX_INDEX = 2**63 - 1
+# The largest token count: the seed counts B*T in its 64-bit unsigned size (usize on a 64-bit
+# machine), so a product beyond 2**64 - 1 overflows.
+MAX_INDEX = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -107,18 +108,18 @@ def _integer_array(values: object) -> np.ndarray[Any, Any] | None:
     return array
 
 
-def token_violation(
-    config: DecoderConfig, tokens: object, shape: Sequence[int] | None = None
-) -> Violation | None:
-    """The first token rule broken: dtype, rank, batch, length, context, overflow, count, ID."""
+def _token_shape_violation(
+    config: DecoderConfig, tokens: object, shape: Sequence[int] | None
+) -> tuple[Violation | None, np.ndarray[Any, Any] | None]:
+    """The first token rule broken before any ID is looked at, and the ID array when none is."""
     array = _integer_array(tokens)
     if array is None:
-        return Violation(ErrorKind.TOKEN_DTYPE)
+        return Violation(ErrorKind.TOKEN_DTYPE), None
     if shape is not None and not all(_is_size(size) and size >= 0 for size in shape):
-        return Violation(ErrorKind.TOKEN_DTYPE, {"shape": tuple(shape)})
+        return Violation(ErrorKind.TOKEN_DTYPE, {"shape": tuple(shape)}), None
     dims = tuple(array.shape) if shape is None else tuple(int(size) for size in shape)
     if len(dims) != 2:
-        return Violation(ErrorKind.TOKEN_RANK, {"rank": len(dims)})
+        return Violation(ErrorKind.TOKEN_RANK, {"rank": len(dims)}), None
     batch, length = dims
     ordered: tuple[tuple[bool, ErrorKind, dict[str, Any]], ...] = (
         (batch == 0, ErrorKind.EMPTY_BATCH, {}),
@@ -141,29 +142,50 @@ def token_violation(
     )
     for broken, kind, details in ordered:
         if broken:
-            return Violation(kind, details)
-    position = _first_outside(array, config.vocabulary_size)
-    if position is not None:
-        return Violation(
-            ErrorKind.TOKEN_ID_OUT_OF_BOUNDS,
-            {"position": position, "id": int(array.reshape(-1)[position])},
-        )
-    return None
+            return Violation(kind, details), None
+    return None, array
+
+
+def _token_id_violation(config: DecoderConfig, ids: np.ndarray[Any, Any]) -> Violation | None:
+    position = _first_outside(ids, config.vocabulary_size)
+    if position is None:
+        return None
+    return Violation(
+        ErrorKind.TOKEN_ID_OUT_OF_BOUNDS,
+        {"position": position, "id": int(ids.reshape(-1)[position])},
+    )
+
+
+def token_violation(
+    config: DecoderConfig, tokens: object, shape: Sequence[int] | None = None
+) -> Violation | None:
+    """The first token rule broken: dtype, rank, batch, length, context, overflow, count, ID."""
+    problem, ids = _token_shape_violation(config, tokens, shape)
+    if problem is not None or ids is None:
+        return problem
+    return _token_id_violation(config, ids)
 
 
 def loss_violation(
     config: DecoderConfig, tokens: object, targets: object, shape: Sequence[int] | None = None
 ) -> Violation | None:
-    """Every token rule first, then target dtype, target count, and the first bad target ID."""
-    token_problem = token_violation(config, tokens, shape)
-    if token_problem is not None:
-        return token_problem
-    batch, length = tuple(shape) if shape is not None else np.asarray(tokens).shape
+    """The seed's loss order: the token shape rules (dtype to count), then target dtype,
+    target count, the first bad target ID, and only then the first bad token ID.
+
+    The seed's ``loss`` validates the token shape, then its targets, and only then runs the
+    forward pass, whose embedding lookup checks the token IDs. Targets are counted, not
+    shaped: the seed receives them as one flat list, so any array of B*T IDs is one target
+    per token.
+    """
+    problem, ids = _token_shape_violation(config, tokens, shape)
+    if problem is not None or ids is None:
+        return problem
+    batch, length = tuple(shape) if shape is not None else ids.shape
     array = _integer_array(targets)
     if array is None:
         return Violation(ErrorKind.TARGET_DTYPE)
     expected = batch * length
-    if tuple(array.shape) not in ((expected,), (batch, length)):
+    if array.size != expected:
         return Violation(
             ErrorKind.TARGET_COUNT_MISMATCH, {"expected": expected, "actual": int(array.size)}
         )
@@ -173,7 +195,7 @@ def loss_violation(
             ErrorKind.TARGET_ID_OUT_OF_BOUNDS,
             {"position": position, "id": int(array.reshape(-1)[position])},
         )
-    return None
+    return _token_id_violation(config, ids)
 
 
 def _as_pair(entry: object) -> tuple[object, object]:

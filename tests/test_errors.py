@@ -300,9 +300,33 @@ CASES: list[tuple[str, Callable[[World], object], ErrorKind, dict[str, Any]]] = 
         {"position": 2, "id": -2},
     ),
     (
-        "token-id-before-targets",
+        "target-count-before-token-id",
         lambda w: w.model.loss([[0, 5, 1]], [[1]]),
+        ErrorKind.TARGET_COUNT_MISMATCH,
+        {"expected": 3, "actual": 1},
+    ),
+    (
+        "target-id-before-token-id",
+        lambda w: w.model.loss([[0, 5, 1]], [[1, 7, 2]]),
+        ErrorKind.TARGET_ID_OUT_OF_BOUNDS,
+        {"position": 1, "id": 7},
+    ),
+    (
+        "target-dtype-before-token-id",
+        lambda w: w.model.loss([[0, 5, 1]], [[1.0, 2.0, 3.0]]),
+        ErrorKind.TARGET_DTYPE,
+        {},
+    ),
+    (
+        "token-id-after-valid-targets",
+        lambda w: w.model.loss([[0, 5, 1]], TARGETS),
         ErrorKind.TOKEN_ID_OUT_OF_BOUNDS,
+        {"position": 1, "id": 5},
+    ),
+    (
+        "token-shape-before-targets",
+        lambda w: w.model.loss([[0, 1, 2, 3, 4]], [[9]]),
+        ErrorKind.CONTEXT_LENGTH_EXCEEDED,
         {},
     ),
     (
@@ -318,10 +342,10 @@ CASES: list[tuple[str, Callable[[World], object], ErrorKind, dict[str, Any]]] = 
         {"expected": 3, "actual": 2},
     ),
     (
-        "misshaped-targets",
-        lambda w: w.model.loss([[0, 1], [2, 3]], [[1, 2, 3, 4]]),
+        "extra-targets-in-any-shape",
+        lambda w: w.model.loss([[0, 1], [2, 3]], [[1, 2, 3], [4, 0, 1]]),
         ErrorKind.TARGET_COUNT_MISMATCH,
-        {"expected": 4, "shape": (1, 4)},
+        {"expected": 4, "actual": 6, "shape": (2, 3)},
     ),
     (
         "target-id-equals-vocabulary",
@@ -411,6 +435,42 @@ def test_seed_worked_classification(
     with pytest.raises(DecoderModelError) as caught:
         example(prepared_world())
     assert caught.value.category is category
+
+
+@pytest.mark.parametrize(("scale", "refused"), [(0.0, True), (1e-170, True), (1e-150, False)])
+def test_zero_mean_square_is_the_float64_mean_of_squares(scale: float, refused: bool) -> None:
+    """With epsilon 0 the recipe refuses a row whose mean square is exactly 0: all zeros, or
+    values whose squares underflow (1e-170 squared is 1e-340, below the smallest float64)."""
+    config = with_config(rms_epsilon=0.0, layers=0)
+    entries = [(name, np.ones(shape)) for name, shape in parameter_layout(config)]
+    entries[0] = ("token_embedding.weight", np.full((5, 4), scale))
+    model = DecoderModel.from_parameters(config, entries)
+    if refused:
+        with pytest.raises(FinalNormFailure) as caught:
+            model.forward(TOKENS)
+        assert caught.value.source.kind is ErrorKind.RMS_ZERO_MEAN_SQUARE
+    else:
+        assert np.all(np.isfinite(model.forward(TOKENS).logits.value))
+
+
+def test_token_count_overflows_past_the_seeds_unsigned_64_bit_size() -> None:
+    """The seed counts B*T in a usize: 3 * 2**62 still fits (a count mismatch), 2**64 not."""
+    model = DecoderModel.from_seed(with_config(context=2**62, layers=0), 0)
+    with pytest.raises(DecoderModelError) as fits:
+        model.forward([0], shape=(3, 2**62))
+    assert fits.value.kind is ErrorKind.TOKEN_COUNT_MISMATCH
+    with pytest.raises(DecoderModelError) as overflows:
+        model.forward([0], shape=(4, 2**62))
+    assert overflows.value.kind is ErrorKind.TOKEN_COUNT_OVERFLOW
+
+
+def test_targets_are_counted_not_shaped() -> None:
+    """The seed takes its targets as one flat list: B*T IDs in any shape are one per token."""
+    model = prepared_world().model
+    tokens = [[0, 1], [2, 3]]
+    expected = float(model.loss(tokens, [[1, 2], [3, 4]]).value)
+    for targets in ([1, 2, 3, 4], [[1, 2, 3, 4]], [[1], [2], [3], [4]], [[[1, 2]], [[3, 4]]]):
+        assert float(model.loss(tokens, targets).value) == expected, targets
 
 
 def test_messages_name_field_expectation_and_value() -> None:

@@ -89,6 +89,33 @@ def test_seed_examples_classify(violation, category: ErrorCategory) -> None:  # 
     assert found is not None and found.kind.category is category
 
 
+@pytest.mark.parametrize(
+    ("tokens", "targets", "shape", "kind"),
+    [
+        ([[0, 5, 1]], [[1]], None, ErrorKind.TARGET_COUNT_MISMATCH),
+        ([[0, 5, 1]], [[1, 7, 2]], None, ErrorKind.TARGET_ID_OUT_OF_BOUNDS),
+        ([[0, 5, 1]], [[1.0, 2.0, 3.0]], None, ErrorKind.TARGET_DTYPE),
+        ([[0, 5, 1]], [[1, 2, 3]], None, ErrorKind.TOKEN_ID_OUT_OF_BOUNDS),
+        ([[0, 1, 2, 3, 4]], [[9]], None, ErrorKind.CONTEXT_LENGTH_EXCEEDED),
+        ([0, 5, 1], [9], (1, 3), ErrorKind.TARGET_COUNT_MISMATCH),
+        ([[0.5, 5, 1]], [[9]], None, ErrorKind.TOKEN_DTYPE),
+        ([[0, 1], [2, 3]], [[1, 2, 3, 4]], None, None),  # counted, not shaped
+    ],
+)
+def test_loss_violation_follows_the_seeds_order(
+    tokens: object, targets: object, shape: tuple[int, int] | None, kind: ErrorKind | None
+) -> None:
+    """Token shape, then target dtype, count and IDs, and only then the token IDs."""
+    found = loss_violation(FIXTURE.config, tokens, targets, shape)
+    assert (found.kind if found else None) is kind
+
+
+def test_token_count_overflows_the_seeds_unsigned_64_bit_size() -> None:
+    config = DecoderConfig(5, 4, 2, 4, 0, 2**62)
+    assert token_violation(config, [0], (3, 2**62)).kind is ErrorKind.TOKEN_COUNT_MISMATCH  # type: ignore[union-attr]
+    assert token_violation(config, [0], (4, 2**62)).kind is ErrorKind.TOKEN_COUNT_OVERFLOW  # type: ignore[union-attr]
+
+
 def test_every_error_kind_has_a_category() -> None:
     assert all(isinstance(kind.category, ErrorCategory) for kind in ErrorKind)
 
