@@ -111,23 +111,38 @@ class Judge:
             f"{float(exact_array[index])!r} within {tolerance:.0e}",
         )
 
-    def refused(self, action: Callable[[], object], expected: ErrorKind, **details: Any) -> Refusal:
-        """``action`` must raise a :class:`Refusal` of kind ``expected`` carrying ``details``."""
+    def refused(
+        self,
+        action: Callable[[], object],
+        expected: ErrorKind,
+        *,
+        what: str = "refusal kind",
+        reason: str = "",
+        **details: Any,
+    ) -> Refusal:
+        """``action`` must raise a :class:`Refusal` of kind ``expected`` carrying ``details``;
+        ``reason`` (why that kind) follows the expected kind in a failure message."""
+        expected_text = f"{expected} ({reason})" if reason else str(expected)
+        # Judged outside the except clauses, so a failure is not chained to the refusal and
+        # its first line is the rule's own message.
+        caught: Refusal | None = None
+        crash: Exception | None = None
         try:
             action()
         except Refusal as refusal:
-            self.check(
-                refusal.kind is expected,
-                "refusal kind",
-                f"{refusal.kind} ({refusal.message})",
-                expected,
-            )
-            for name, value in details.items():
-                got = refusal.details.get(name, "missing")
-                self.check(got == value, f"refusal detail {name}", got, value)
-            return refusal
+            caught = refusal
         except Exception as error:  # a crash is a wrong answer, and is reported as one
+            crash = error
+        if crash is not None:
             self.fail(
-                "refusal", f"{type(error).__name__}: {error}", f"a Refusal of kind {expected}"
+                "refusal", f"{type(crash).__name__}: {crash}", f"a Refusal of kind {expected_text}"
             )
-        self.fail("refusal", "none (the call succeeded)", f"a Refusal of kind {expected}")
+        if caught is None:
+            self.fail("refusal", "none (the call succeeded)", f"a Refusal of kind {expected_text}")
+        self.check(
+            caught.kind is expected, what, f"{caught.kind} ({caught.message})", expected_text
+        )
+        for name, value in details.items():
+            got = caught.details.get(name, "missing")
+            self.check(got == value, f"refusal detail {name}", got, value)
+        return caught

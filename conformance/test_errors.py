@@ -255,34 +255,68 @@ def test_out_of_vocabulary_target_names_its_position(
     )
 
 
+# The seed's loss validates the token shape, then its targets, and only then runs the forward
+# pass, whose embedding lookup checks the token IDs.
+SEED_LOSS_ORDER = (
+    "the seed's loss order: token dtype and shape (rank, batch, length, context, overflow, "
+    "count), then target dtype, target count, target IDs, and only then token IDs"
+)
+
+
+def _loss_rule_pairs(
+    scenario: Scenario, data: st.DataObject
+) -> list[tuple[str, Any, Any, ErrorKind]]:
+    """Loss inputs that break two rules at once, labelled, with the kind the seed reports."""
+    config, tokens, targets = scenario.config, scenario.tokens, scenario.targets
+    vocabulary = config.vocabulary_size
+    bad_tokens = tokens.copy()
+    bad_tokens.flat[data.draw(st.integers(0, tokens.size - 1), label="bad token position")] = (
+        data.draw(st.sampled_from([vocabulary, vocabulary + 2, -1]), label="bad token ID")
+    )
+    flat_targets = targets.reshape(-1)
+    short_targets = flat_targets[:-1]
+    long_targets = np.concatenate([flat_targets, flat_targets[:1]])
+    bad_targets = targets.copy()
+    bad_targets.flat[data.draw(st.integers(0, targets.size - 1), label="bad target position")] = (
+        data.draw(st.sampled_from([vocabulary, vocabulary + 5, -1]), label="bad target ID")
+    )
+    bad_short_targets = short_targets.copy()
+    if bad_short_targets.size:
+        bad_short_targets[0] = vocabulary
+    too_long = np.zeros((tokens.shape[0], config.context + 1), dtype=np.int64)
+    return [
+        ("a bad token ID with too few targets", bad_tokens, short_targets,
+         ErrorKind.TARGET_COUNT_MISMATCH),
+        ("a bad token ID with too many targets", bad_tokens, long_targets,
+         ErrorKind.TARGET_COUNT_MISMATCH),
+        ("a bad token ID with a bad target ID", bad_tokens, bad_targets,
+         ErrorKind.TARGET_ID_OUT_OF_BOUNDS),
+        ("a bad token ID with float targets", bad_tokens, targets.astype(np.float64),
+         ErrorKind.TARGET_DTYPE),
+        ("a bad token ID with valid targets", bad_tokens, targets,
+         ErrorKind.TOKEN_ID_OUT_OF_BOUNDS),
+        ("too few targets, one of them bad", tokens, bad_short_targets,
+         ErrorKind.TARGET_COUNT_MISMATCH),
+        ("non-integer targets out of range", tokens, np.full(targets.shape, vocabulary + 0.5),
+         ErrorKind.TARGET_DTYPE),
+        ("a too-long sequence with too few targets", too_long, short_targets,
+         ErrorKind.CONTEXT_LENGTH_EXCEEDED),
+        ("float tokens with a bad target ID", bad_tokens.astype(np.float64), bad_targets,
+         ErrorKind.TOKEN_DTYPE),
+        ("flat tokens with too few targets", tokens.reshape(-1), short_targets,
+         ErrorKind.TOKEN_RANK),
+    ]  # fmt: skip
+
+
 @pytest.mark.rule("ERR-LOSS-ORDER")
 @pytest.mark.needs(Capability.INPUT_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), data=st.data())
-def test_loss_checks_tokens_then_count_then_ids(
+def test_loss_checks_token_shape_then_targets_then_token_ids(
     backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
 ) -> None:
-    vocabulary = scenario.config.vocabulary_size
     model = scenario.build(backend)
-    bad_tokens = scenario.tokens.copy()
-    bad_tokens.flat[data.draw(st.integers(0, bad_tokens.size - 1))] = vocabulary
-    short_targets = scenario.targets.reshape(-1)[:-1]
-    bad_short_targets = short_targets.copy()
-    if bad_short_targets.size:
-        bad_short_targets[0] = vocabulary
-    too_long = np.zeros((scenario.tokens.shape[0], scenario.config.context + 1), dtype=np.int64)
-    cases = [
-        (bad_tokens, short_targets, ErrorKind.TOKEN_ID_OUT_OF_BOUNDS),
-        (scenario.tokens, bad_short_targets, ErrorKind.TARGET_COUNT_MISMATCH),
-        (too_long, short_targets, ErrorKind.CONTEXT_LENGTH_EXCEEDED),
-        (bad_tokens, scenario.targets.astype(np.float64), ErrorKind.TOKEN_ID_OUT_OF_BOUNDS),
-        (
-            scenario.tokens,
-            np.full(scenario.targets.shape, vocabulary + 0.5),
-            ErrorKind.TARGET_DTYPE,
-        ),
-    ]
-    for tokens, targets, expected in cases:
+    for label, tokens, targets, expected in _loss_rule_pairs(scenario, data):
         check = judge.on(
             dataclasses.replace(
                 scenario.case("backend.loss(model, tokens, targets)"),
@@ -290,7 +324,12 @@ def test_loss_checks_tokens_then_count_then_ids(
                 targets=targets,
             )
         )
-        check.refused(functools.partial(backend.loss, model, tokens, targets), expected)
+        check.refused(
+            functools.partial(backend.loss, model, tokens, targets),
+            expected,
+            what=f"refusal kind for {label}",
+            reason=SEED_LOSS_ORDER,
+        )
 
 
 @pytest.mark.rule("ERR-SEED-EXAMPLES")

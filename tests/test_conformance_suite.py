@@ -166,6 +166,28 @@ def test_a_broken_backend_fails_with_rule_message_and_reproduction(tmp_path: Pat
     assert statuses["VALUE-STAGES"] == "untested"
 
 
+def test_the_old_loss_order_fails_only_err_loss_order_naming_the_seeds_order(
+    tmp_path: Path,
+) -> None:
+    """Token IDs checked before the targets (RECIPE.md's old order) is the seed's one departure."""
+    report = tmp_path / "report.json"
+    result = run_suite(
+        "--adapter", "conformance.mutants.inputs:TokenIdsCheckedBeforeTargets",
+        "--json", str(report), "--pytest-args", "-k errors",
+    )  # fmt: skip
+    assert result.returncode == 1
+    statuses = rule_statuses(report)
+    assert [rule for rule, status in statuses.items() if status == "failed"] == ["ERR-LOSS-ORDER"]
+    message = next(
+        rule["message"]
+        for rule in json.loads(report.read_text())["rules"]
+        if rule["id"] == "ERR-LOSS-ORDER"
+    )
+    assert message.startswith("[ERR-LOSS-ORDER] refusal kind for a bad token ID with"), message
+    assert "the seed's loss order: token dtype and shape" in message
+    assert "then target dtype, target count, target IDs, and only then token IDs" in message
+
+
 # The faulty backend breaks only the head-detached loss, which TIE-GRADIENT-SUM alone asks
 # for; the two bystanders must pass around it.
 AFFECTED_AND_BYSTANDERS = "sum_of_both_roles or logits_shape or valid_configurations"

@@ -42,7 +42,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _mutant("inputs", "ContextOffByOne", "context-off-by-one", "a sequence as long as the context is refused", "ERR-CONTEXT-LIMIT", C.CONFIGURATION, C.INPUTS),
     _mutant("inputs", "TokenIdsWrapAround", "token-ids-wrap-around", "out-of-vocabulary token IDs wrap around", "ERR-TOKEN-ID", C.INPUTS),
     _mutant("inputs", "TargetIdsClipped", "target-ids-clipped", "out-of-vocabulary target IDs are clipped", "ERR-TARGET-ID", C.INPUTS),
-    _mutant("inputs", "TargetsCheckedBeforeTokenIds", "targets-checked-before-token-ids", "the loss counts targets before checking token IDs", "ERR-LOSS-ORDER", C.INPUTS),
+    _mutant("inputs", "TokenIdsCheckedBeforeTargets", "token-ids-checked-before-targets", "the loss checks token IDs before its targets", "ERR-LOSS-ORDER", C.INPUTS),
     # Shapes, names, order, count, tying.
     _mutant("structure", "LogitsVocabularyFirst", "logits-vocabulary-first", "logits laid out [B, V, T]", "SHAPE-LOGITS", C.SHAPES),
     _mutant("structure", "LastBlockStageMissing", "last-block-stage-missing", "the last block's stage is not reported", "SHAPE-BLOCKS", C.SHAPES),

@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from conformance.adapter import LossOutput, Parameters, Refusal
+from conformance.adapters.reference import refusals
 from conformance.mutants.base import MutantBackend
 from impl.errors import ContextLengthExceeded, InvalidRmsEpsilon
 from impl.layers import NamedParameter
@@ -127,18 +128,18 @@ class TargetIdsClipped(MutantBackend):
     model_class = _UncheckedTargetsModel
 
 
-class TargetsCheckedBeforeTokenIds(MutantBackend):
-    """The loss counts targets before checking token IDs (the seed's Rust order).
+class TokenIdsCheckedBeforeTargets(MutantBackend):
+    """The loss checks token IDs before its targets (the order RECIPE.md once stated; the
+    seed checks the targets first and looks the IDs up only in its forward pass).
 
-    Rule: ERR-LOSS-ORDER.
+    Rule: ERR-LOSS-ORDER (a bad token ID with too few targets reports the token ID).
     """
 
-    name = "targets-checked-before-token-ids"
+    name = "token-ids-checked-before-targets"
 
     def loss(
         self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
     ) -> LossOutput:
-        array = np.asarray(tokens)
-        if array.ndim == 2 and array.size and np.asarray(targets).size != array.size:
-            raise Refusal(ErrorKind.TARGET_COUNT_MISMATCH, "targets first")
+        with refusals():
+            model.validate_tokens(tokens)
         return super().loss(model, tokens, targets, **detach)
