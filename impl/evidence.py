@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from impl.errors import DecoderModelError
 from impl.model import DecoderModel
 from impl.tape import Array
 from spec.config import FIXTURE, DecoderConfig, Fixture
 from spec.errors import ErrorKind
+from spec.gradcheck import central_difference_checks, seed_probe
 from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME, parameter_count, parameter_names
 from spec.recipe import SplitMix64
 
@@ -240,67 +240,43 @@ def _causality(fixture: Fixture, model: DecoderModel, logits: Array) -> tuple[li
     return prefix, suffix
 
 
-def _probe_parameters(fixture: Fixture, model: DecoderModel) -> tuple[DecoderConfig, Array, Array]:
-    """The zero-block probe: the fixture's published probe, or the model's own table."""
-    config = dataclasses.replace(fixture.config, layers=0)
+def _probe_parameters(
+    fixture: Fixture, model: DecoderModel
+) -> tuple[DecoderConfig, list[tuple[str, Array]]]:
+    """The zero-block probe: the seed's published probe, or the model's own table and gain."""
     if fixture.probe_table:
-        table = np.asarray(fixture.probe_table, dtype=np.float64).reshape(
-            config.vocabulary_size, config.model_width
-        )
-        return config, table, np.asarray(fixture.probe_gain, dtype=np.float64)
-    return (
-        config,
-        model.tied_embedding.tensor.value.copy(),
-        model.final_norm.gain.tensor.value.copy(),
-    )
+        return seed_probe()
+    config = dataclasses.replace(fixture.config, layers=0)
+    table = model.tied_embedding.tensor.value.copy()
+    gain = model.final_norm.gain.tensor.value.copy()
+    return config, [(EMBEDDING_NAME, table), (FINAL_NORM_NAME, gain)]
 
 
-def _probe_loss(config: DecoderConfig, table: Array, gain: Array, fixture: Fixture) -> float:
-    probe = DecoderModel.from_parameters(config, [(EMBEDDING_NAME, table), (FINAL_NORM_NAME, gain)])
+def _probe_loss(
+    config: DecoderConfig, parameters: list[tuple[str, Array]], fixture: Fixture
+) -> float:
+    probe = DecoderModel.from_parameters(config, parameters)
     return float(probe.loss(fixture.probe_tokens, fixture.probe_targets).value)
 
 
-def _sampled_indices(size: int) -> npt.NDArray[np.intp]:
-    if size <= GRADCHECK_SAMPLES:
-        return np.arange(size, dtype=np.intp)
-    return np.unique(np.linspace(0, size - 1, GRADCHECK_SAMPLES).round().astype(np.intp))
-
-
-def _central_difference_check(
-    values: Array, analytic: Array, loss_of: Callable[[Array], float], step: float, tolerance: float
-) -> tuple[int, bool]:
-    """Seed's check: ``|a/s - n/s| <= tol`` with ``s = max(1, |a|, |n|)``."""
-    passed = True
-    indices = _sampled_indices(values.size)
-    for index in indices:
-        point = float(values.flat[index])
-        above, below = point + step, point - step
-        shifted_up, shifted_down = values.copy(), values.copy()
-        shifted_up.flat[index] = above
-        shifted_down.flat[index] = below
-        # Spacing-weighted mean of the two one-sided slopes.
-        numerical = (loss_of(shifted_up) - loss_of(shifted_down)) / (above - below)
-        exact = float(analytic.flat[index])
-        scale = max(1.0, abs(exact), abs(numerical))
-        passed = passed and abs(exact / scale - numerical / scale) <= tolerance
-    return len(indices), passed
-
-
 def _probe_gradients(
-    config: DecoderConfig, table: Array, gain: Array, fixture: Fixture, *, lookup: bool, head: bool
-) -> tuple[Array, Array]:
-    probe = DecoderModel.from_parameters(config, [(EMBEDDING_NAME, table), (FINAL_NORM_NAME, gain)])
+    config: DecoderConfig,
+    parameters: list[tuple[str, Array]],
+    fixture: Fixture,
+    *,
+    lookup: bool,
+    head: bool,
+) -> dict[str, Array]:
+    """The probe's table and gain gradients with the lookup or the head use detached."""
+    probe = DecoderModel.from_parameters(config, parameters)
     loss = probe.loss(
         fixture.probe_tokens, fixture.probe_targets, detach_lookup=not lookup, detach_head=not head
     )
     loss.backward()
-    table_grad = probe.tied_embedding.tensor.grad
-    gain_grad = probe.final_norm.gain.tensor.grad
-    zeros_table, zeros_gain = np.zeros_like(table), np.zeros_like(gain)
-    return (
-        zeros_table if table_grad is None else table_grad,
-        zeros_gain if gain_grad is None else gain_grad,
-    )
+    return {
+        p.name: np.zeros(p.shape) if p.tensor.grad is None else p.tensor.grad
+        for p in probe.parameters()
+    }
 
 
 def collect_evidence(fixture: Fixture) -> Evidence:
@@ -312,27 +288,24 @@ def collect_evidence(fixture: Fixture) -> Evidence:
     context_limit, vocabulary, target = _input_probes(fixture, model)
     prefix, suffix = _causality(fixture, model, run.logits)
 
-    probe_config, table, gain = _probe_parameters(fixture, model)
-    full_table, full_gain = _probe_gradients(
-        probe_config, table, gain, fixture, lookup=True, head=True
+    probe_config, probe = _probe_parameters(fixture, model)
+    full = _probe_gradients(probe_config, probe, fixture, lookup=True, head=True)
+    lookup_only = _probe_gradients(probe_config, probe, fixture, lookup=True, head=False)
+    head_only = _probe_gradients(probe_config, probe, fixture, lookup=False, head=True)
+    decomposition = float(
+        np.max(
+            np.abs(full[EMBEDDING_NAME] - lookup_only[EMBEDDING_NAME] - head_only[EMBEDDING_NAME])
+        )
     )
-    lookup_only, _ = _probe_gradients(probe_config, table, gain, fixture, lookup=True, head=False)
-    head_only, _ = _probe_gradients(probe_config, table, gain, fixture, lookup=False, head=True)
-    decomposition = float(np.max(np.abs(full_table - lookup_only - head_only)))
-    table_checks, table_passed = _central_difference_check(
-        table,
-        full_table,
-        lambda candidate: _probe_loss(probe_config, candidate, gain, fixture),
-        fixture.gradient_step,
-        fixture.gradient_tolerance,
+    checks = central_difference_checks(
+        probe,
+        full,
+        lambda shifted: _probe_loss(probe_config, shifted, fixture),
+        step=fixture.gradient_step,
+        tolerance=fixture.gradient_tolerance,
+        samples=GRADCHECK_SAMPLES,
     )
-    gain_checks, gain_passed = _central_difference_check(
-        gain,
-        full_gain,
-        lambda candidate: _probe_loss(probe_config, table, candidate, fixture),
-        fixture.gradient_step,
-        fixture.gradient_tolerance,
-    )
+    table_checks = sum(1 for check in checks if check.name == EMBEDDING_NAME)
     stack_gradients = sum(
         1
         for gradient in run.gradients.values()
@@ -352,10 +325,9 @@ def collect_evidence(fixture: Fixture) -> Evidence:
         prefix_bitwise=prefix,
         suffix_changed=suffix,
         table_checks=table_checks,
-        gain_checks=gain_checks,
+        gain_checks=len(checks) - table_checks,
         tolerance=fixture.gradient_tolerance,
-        gradcheck_passed=table_passed
-        and gain_passed
+        gradcheck_passed=all(check.passed for check in checks)
         and stack_gradients == len(run.parameter_names),
         stack_gradients=stack_gradients,
         replay_bitwise=run.logits.tobytes() == replay.logits.value.tobytes(),

@@ -1,35 +1,41 @@
-"""The decoder's layers, in dependency order, each owning its named parameters.
+"""The decoder's layers, in dependency order, each holding its named parameters.
 
 Shapes use B (batch), T (tokens), d (model width), H (heads), hw (head width),
 f (feed-forward width) and V (vocabulary).
+
+Extension points, for a variant of the model (a port under study, a deliberately broken
+one): subclass a layer and override the method named here, then give the class to a
+:class:`impl.model.DecoderModel` subclass (its ``norm_class``, ``rope_class``,
+``attention_class``, ``feed_forward_class`` and ``block_class``).
+
+- :meth:`RMSNorm.forward`, :meth:`SwiGLU.forward`, :meth:`DecoderBlock.forward`: the whole
+  layer.
+- :class:`RotaryEmbedding`: ``inverse_frequency`` (set in ``__init__``),
+  :meth:`~RotaryEmbedding.tables` and :meth:`~RotaryEmbedding.forward`.
+- :class:`CausalSelfAttention`: :meth:`~CausalSelfAttention.split_heads` /
+  :meth:`~CausalSelfAttention.merge_heads` (the head layout), :meth:`~CausalSelfAttention.attend`
+  (scores, mask, softmax and the weighted sum), or :meth:`~CausalSelfAttention.forward`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from impl import ops
-from impl.errors import BlockFailure, DecoderModelError, RmsZeroMeanSquare, TokenIdOutOfBounds
+from impl.errors import BlockFailure, DecoderModelError, RmsZeroMeanSquare
 from impl.tape import Array, Tensor
 
 __all__ = [
     "CausalSelfAttention",
     "DecoderBlock",
-    "Embedding",
     "Linear",
     "NamedParameter",
     "RMSNorm",
     "RotaryEmbedding",
     "SwiGLU",
-    "first_out_of_range",
 ]
-
-IndexArray = npt.NDArray[np.intp]
 
 
 @dataclass(frozen=True)
@@ -45,36 +51,6 @@ class NamedParameter:
         return self.tensor.shape
 
 
-def first_out_of_range(ids: npt.NDArray[Any], vocabulary_size: int) -> int | None:
-    """Flat position of the first ID outside ``[0, vocabulary_size)``, or None."""
-    flat = ids.reshape(-1)
-    outside = np.flatnonzero((flat < 0) | (flat >= vocabulary_size))
-    return int(outside[0]) if outside.size else None
-
-
-class Embedding:
-    """Token lookup: ``E[z]`` gathers one row of the ``[V, d]`` table per token ID."""
-
-    def __init__(self, weight: NamedParameter) -> None:
-        self.weight = weight
-
-    @property
-    def vocabulary_size(self) -> int:
-        """Rows of the table."""
-        return self.weight.shape[0]
-
-    def forward(self, ids: IndexArray) -> Tensor:
-        """``[B, T]`` IDs to ``[B, T, d]`` rows; refuses an ID outside ``[0, V)``."""
-        position = first_out_of_range(ids, self.vocabulary_size)
-        if position is not None:
-            raise TokenIdOutOfBounds(
-                position=position,
-                id=int(ids.reshape(-1)[position]),
-                vocabulary_size=self.vocabulary_size,
-            )
-        return ops.gather_rows(self.weight.tensor, ids)
-
-
 class Linear:
     """Bias-free ``y = x @ W`` with ``W`` stored ``[in, out]``."""
 
@@ -87,11 +63,7 @@ class Linear:
 
 
 class RMSNorm:
-    """``x * exp(-0.5 log(mean(x^2) + eps)) * gain`` over the last axis.
-
-    The log/exp form of the inverse root is the recipe's, not ``1 / sqrt``: the two
-    differ in the last bit, and the published trace was computed with this one.
-    """
+    """``x * exp(-0.5 log(mean(x^2) + eps)) * gain`` over the last axis (:func:`ops.rms_norm`)."""
 
     def __init__(self, gain: NamedParameter, epsilon: float) -> None:
         self.gain = gain
@@ -109,16 +81,13 @@ class RMSNorm:
 
 
 class RotaryEmbedding:
-    """RoPE on interleaved feature pairs, with cos/sin tables cached per position.
+    """RoPE on interleaved feature pairs, positions ``0 .. T - 1``, tables cached.
 
-    Tables grow on demand up to the longest sequence seen, so a huge context capacity
-    costs nothing until it is used.
+    ``inverse_frequency[j] = base^(-2j / hw)``. Tables grow on demand up to the longest
+    sequence seen, so a huge context capacity costs nothing until it is used.
     """
 
-    def __init__(self, head_width: int, context: int, base: float) -> None:
-        self.head_width = head_width
-        self.context = context
-        self.base = base
+    def __init__(self, head_width: int, base: float) -> None:
         pairs = head_width // 2
         self.inverse_frequency: Array = base ** (
             -2.0 * np.arange(pairs, dtype=np.float64) / head_width
@@ -134,11 +103,10 @@ class RotaryEmbedding:
             self._cos, self._sin = np.cos(angles), np.sin(angles)
         return self._cos[:end], self._sin[:end]
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """Rotate ``[..., T, hw]`` features at positions ``offset .. offset + T - 1``."""
-        end = offset + x.shape[-2]
-        cos, sin = self.tables(end)
-        return ops.rotary(x, cos[offset:end], sin[offset:end])
+    def forward(self, x: Tensor) -> Tensor:
+        """Rotate ``[..., T, hw]`` features at positions ``0 .. T - 1``."""
+        cos, sin = self.tables(x.shape[-2])
+        return ops.rotary(x, cos, sin)
 
 
 class CausalSelfAttention:
@@ -161,38 +129,28 @@ class CausalSelfAttention:
         self.heads = heads
         self.rope = rope
 
-    def _split_heads(self, x: Tensor) -> Tensor:
+    def split_heads(self, x: Tensor) -> Tensor:
+        """``[B, T, d]`` to ``[B, H, T, hw]``: head h takes the contiguous features
+        ``h hw .. (h + 1) hw - 1``."""
         batch, tokens, width = x.shape
         per_head = ops.reshape(x, (batch, tokens, self.heads, width // self.heads))  # (B,T,H,hw)
         return ops.transpose(per_head, 1, 2)  # (B, H, T, hw)
 
-    def _merge_heads(self, x: Tensor) -> Tensor:
+    def merge_heads(self, x: Tensor) -> Tensor:
+        """``[B, H, T, hw]`` back to ``[B, T, d]``."""
         batch, heads, tokens, head_width = x.shape
-        return ops.reshape(ops.transpose(x, 1, 2), (batch, tokens, heads * head_width))  # (B,T,d)
+        return ops.reshape(ops.transpose(x, 1, 2), (batch, tokens, heads * head_width))
 
-    def _scores(self, query: Tensor, key: Tensor) -> Tensor:
-        """``q k^T / sqrt(hw)``, ``[B, H, T, T]`` (the composed path)."""
-        return ops.divide(ops.matmul(query, ops.transpose(key, 2, 3)), math.sqrt(query.shape[-1]))
-
-    def _weights(self, scores: Tensor) -> Tensor:
-        """Softmax over keys, each query seeing only itself and earlier positions."""
-        return ops.causal_softmax(scores)
-
-    def _attend_composed(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        """Attention from separate score, softmax and product nodes; the same arithmetic as
-        the fused operation, kept for variants that change one step."""
-        return ops.matmul(self._weights(self._scores(query, key)), value)
-
-    def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        """``softmax(q k^T / sqrt(hw), causal) v``, ``[B, H, T, hw]``, as one fused operation."""
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """``softmax(q k^T / sqrt(hw), causal) v``, ``[B, H, T, hw]`` (``ops.causal_attention``)."""
         return ops.causal_attention(query, key, value)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         """``[B, T, d]`` to ``[B, T, d]``; position ``t`` attends to keys ``0 .. t``."""
-        query = self.rope.forward(self._split_heads(self.query.forward(x)), offset)
-        key = self.rope.forward(self._split_heads(self.key.forward(x)), offset)
-        value = self._split_heads(self.value.forward(x))
-        return self.output.forward(self._merge_heads(self._attend(query, key, value)))
+        query = self.rope.forward(self.split_heads(self.query.forward(x)))
+        key = self.rope.forward(self.split_heads(self.key.forward(x)))
+        value = self.split_heads(self.value.forward(x))
+        return self.output.forward(self.merge_heads(self.attend(query, key, value)))
 
 
 class SwiGLU:
@@ -205,8 +163,7 @@ class SwiGLU:
 
     def forward(self, x: Tensor) -> Tensor:
         """``[..., d]`` to ``[..., d]`` through a hidden width ``f``."""
-        hidden = ops.swiglu_product(self.gate.forward(x), self.up.forward(x))  # (..., f)
-        return self.down.forward(hidden)
+        return self.down.forward(ops.swiglu(self.gate.forward(x), self.up.forward(x)))  # (..., f)
 
 
 class DecoderBlock:
@@ -226,32 +183,18 @@ class DecoderBlock:
         self.ffn_norm = ffn_norm
         self.ffn = ffn
 
-    def parameters(self) -> list[NamedParameter]:
-        """The block's nine parameters in the stable order."""
-        attention = self.attention
-        return [
-            self.attention_norm.gain,
-            attention.query.weight,
-            attention.key.weight,
-            attention.value.weight,
-            attention.output.weight,
-            self.ffn_norm.gain,
-            self.ffn.gate.weight,
-            self.ffn.up.weight,
-            self.ffn.down.weight,
-        ]
-
-    def _normalize(self, norm: RMSNorm, x: Tensor, component: str) -> Tensor:
+    def normalize(self, norm: RMSNorm, x: Tensor, component: str) -> Tensor:
+        """``norm.forward(x)``; a refusal is wrapped with this block's layer and component."""
         try:
             return norm.forward(x)
         except DecoderModelError as error:
             raise BlockFailure(source=error, layer=self.layer, component=component) from error
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         """``[B, T, d]`` to ``[B, T, d]``."""
         attended = self.attention.forward(
-            self._normalize(self.attention_norm, x, "attention RMSNorm"), offset
+            self.normalize(self.attention_norm, x, "attention RMSNorm")
         )
         hidden = ops.add(x, attended)
-        fed = self.ffn.forward(self._normalize(self.ffn_norm, hidden, "feed-forward RMSNorm"))
+        fed = self.ffn.forward(self.normalize(self.ffn_norm, hidden, "feed-forward RMSNorm"))
         return ops.add(hidden, fed)

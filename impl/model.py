@@ -3,6 +3,11 @@
 ``logits = RMSNorm(B_N(... B_1(E[z]) ...)) @ E^T``: the head is the transpose of the one
 ``token_embedding.weight`` leaf, so backward adds the lookup-role and output-role
 gradients on that leaf. There is no ``lm_head`` and no bias anywhere.
+
+Validation here is written out on its own, not derived from :mod:`spec.validation`: the
+suite judges this reference against ``spec.validation``, so the two are independent
+readings of the seed's order, and ``tests/impl/test_fuzz.py`` holds them together on every
+entry point. They share the seed's facts (the field kinds, the overflow bound).
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -50,16 +55,20 @@ from impl.errors import (
 from impl.layers import (
     CausalSelfAttention,
     DecoderBlock,
-    Embedding,
     NamedParameter,
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
-    first_out_of_range,
 )
 from impl.tape import Array, Tensor
-from spec.config import DecoderConfig
-from spec.parameters import parameter_count, parameter_layout, tensor_count
+from spec.config import REAL_FIELDS, SIZE_FIELDS, DecoderConfig
+from spec.parameters import (
+    EMBEDDING_NAME,
+    FINAL_NORM_NAME,
+    parameter_count,
+    parameter_layout,
+    tensor_count,
+)
 from spec.recipe import SplitMix64, initial_parameters
 from spec.validation import MAX_INDEX
 
@@ -75,15 +84,6 @@ ParameterEntry = NamedParameter | tuple[str, npt.ArrayLike]
 
 # 2**31 float64 scalars are 16 GiB; anything larger is refused before allocating.
 MAX_PARAMETER_SCALARS = 2**31
-_INTEGER_FIELDS = (
-    "vocabulary_size",
-    "model_width",
-    "heads",
-    "feed_forward_width",
-    "layers",
-    "context",
-)
-_REAL_FIELDS = ("rope_base", "rms_epsilon")
 
 
 def _is_integer(value: object) -> bool:
@@ -94,11 +94,11 @@ def validate_config(config: DecoderConfig) -> None:
     """Refuse the first invalid field, in the recipe's order, even when ``layers == 0``."""
     if not isinstance(config, DecoderConfig):
         raise ConfigFieldType(field="config", expected="a DecoderConfig", actual=config)
-    for field in _INTEGER_FIELDS:
+    for field in SIZE_FIELDS:
         value = getattr(config, field)
         if not _is_integer(value) or value < 0:
             raise ConfigFieldType(field=field, expected="a non-negative integer", actual=value)
-    for field in _REAL_FIELDS:
+    for field in REAL_FIELDS:
         value = getattr(config, field)
         if isinstance(value, bool | np.bool_) or not isinstance(
             value, int | float | np.integer | np.floating
@@ -122,6 +122,12 @@ def validate_config(config: DecoderConfig) -> None:
         raise InvalidRopeBase(value=config.rope_base)
     if not math.isfinite(config.rms_epsilon) or config.rms_epsilon < 0:
         raise InvalidRmsEpsilon(value=config.rms_epsilon)
+
+
+def _first_out_of_range(ids: npt.NDArray[Any], vocabulary_size: int) -> int | None:
+    """Flat position of the first ID outside ``[0, vocabulary_size)``, or None."""
+    outside = np.flatnonzero((ids < 0) | (ids >= vocabulary_size))
+    return int(outside[0]) if outside.size else None
 
 
 def _as_array(values: object) -> npt.NDArray[np.generic] | None:
@@ -168,9 +174,9 @@ class DecoderModel:
     Build one with :meth:`from_seed`, :meth:`initialize` or :meth:`from_parameters`.
     """
 
-    # The component classes, so a variant model (a port under study, a deliberately broken
-    # one) can replace one layer and keep everything else.
-    embedding_class: ClassVar[type[Embedding]] = Embedding
+    # The layer classes: a variant model (a port under study, a deliberately broken one)
+    # subclasses a layer at one of its documented extension points (impl.layers) and sets it
+    # here on a subclass, keeping everything else.
     norm_class: ClassVar[type[RMSNorm]] = RMSNorm
     rope_class: ClassVar[type[RotaryEmbedding]] = RotaryEmbedding
     attention_class: ClassVar[type[CausalSelfAttention]] = CausalSelfAttention
@@ -178,29 +184,41 @@ class DecoderModel:
     block_class: ClassVar[type[DecoderBlock]] = DecoderBlock
 
     def __init__(self, config: DecoderConfig, parameters: Sequence[NamedParameter]) -> None:
-        """Assemble components over already validated leaves (use the class methods)."""
+        """Assemble the layers over already validated leaves in the stable order (use the
+        class methods); each layer finds its leaves by name."""
         self.config = config
-        self.token_embedding = self.embedding_class(parameters[0])
-        rope = self.rope_class(config.head_width, config.context, float(config.rope_base))
-        epsilon = float(config.rms_epsilon)
-        self.blocks: list[DecoderBlock] = []
-        for layer in range(config.layers):
-            start = 1 + 9 * layer
-            p = parameters[start : start + 9]
-            self.blocks.append(
-                self.block_class(
-                    layer,
-                    self.norm_class(p[0], epsilon),
-                    self.attention_class(p[1], p[2], p[3], p[4], heads=config.heads, rope=rope),
-                    self.norm_class(p[5], epsilon),
-                    self.feed_forward_class(p[6], p[7], p[8]),
-                )
-            )
-        self.final_norm = self.norm_class(parameters[-1], epsilon)
-        self._parameters = [self.token_embedding.weight]
-        for block in self.blocks:
-            self._parameters.extend(block.parameters())
-        self._parameters.append(self.final_norm.gain)
+        self._parameters = list(parameters)
+        named = {parameter.name: parameter for parameter in self._parameters}
+        self.token_embedding = named[EMBEDDING_NAME]
+        rope = self.rope_class(config.head_width, float(config.rope_base))
+        self.blocks = [self._block(layer, named, rope) for layer in range(config.layers)]
+        self.final_norm = self.norm_class(named[FINAL_NORM_NAME], float(config.rms_epsilon))
+
+    def _block(
+        self, layer: int, named: Mapping[str, NamedParameter], rope: RotaryEmbedding
+    ) -> DecoderBlock:
+        def leaf(suffix: str) -> NamedParameter:
+            return named[f"blocks.{layer}.{suffix}"]
+
+        epsilon = float(self.config.rms_epsilon)
+        attention = self.attention_class(
+            leaf("attention.query.weight"),
+            leaf("attention.key.weight"),
+            leaf("attention.value.weight"),
+            leaf("attention.output.weight"),
+            heads=self.config.heads,
+            rope=rope,
+        )
+        feed_forward = self.feed_forward_class(
+            leaf("ffn.gate.weight"), leaf("ffn.up.weight"), leaf("ffn.down.weight")
+        )
+        return self.block_class(
+            layer,
+            self.norm_class(leaf("attention_norm.gain"), epsilon),
+            attention,
+            self.norm_class(leaf("ffn_norm.gain"), epsilon),
+            feed_forward,
+        )
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -315,7 +333,7 @@ class DecoderModel:
     @property
     def tied_embedding(self) -> NamedParameter:
         """The one table used for both lookup and the vocabulary projection."""
-        return self.token_embedding.weight
+        return self.token_embedding
 
     # ---------------------------------------------------------------------- running
     def validate_tokens(
@@ -363,7 +381,7 @@ class DecoderModel:
         self, flat: npt.NDArray[np.generic], batch: int, length: int
     ) -> IndexArray:
         """The ``[B, T]`` index array, once every ID is inside the vocabulary."""
-        position = first_out_of_range(flat, self.config.vocabulary_size)
+        position = _first_out_of_range(flat, self.config.vocabulary_size)
         if position is not None:
             raise TokenIdOutOfBounds(
                 position=position,
@@ -387,7 +405,7 @@ class DecoderModel:
                 expected=expected, actual=int(array.size), shape=tuple(array.shape)
             )
         flat = array.reshape(-1)
-        position = first_out_of_range(flat, self.config.vocabulary_size)
+        position = _first_out_of_range(flat, self.config.vocabulary_size)
         if position is not None:
             raise TargetIdOutOfBounds(
                 position=position,
@@ -413,14 +431,14 @@ class DecoderModel:
         return self._forward(ids, detach_lookup=detach_lookup, detach_head=detach_head)
 
     def _forward(self, ids: IndexArray, *, detach_lookup: bool, detach_head: bool) -> ForwardResult:
-        table = self.token_embedding.weight.tensor
+        table = self.token_embedding.tensor
         lookup_table = table.detach() if detach_lookup else table
         head_table = table.detach() if detach_head else table
         embedding = ops.gather_rows(lookup_table, ids)  # (B, T, d)
         hidden = embedding
         block_outputs: list[Tensor] = []
         for block in self.blocks:
-            hidden = block.forward(hidden, offset=0)  # (B, T, d)
+            hidden = block.forward(hidden)  # (B, T, d)
             block_outputs.append(hidden)
         try:
             normalized = self.final_norm.forward(hidden)  # (B, T, d)

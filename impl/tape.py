@@ -4,7 +4,8 @@ A :class:`Tensor` holds a float64 value, the parents it was computed from, and a
 vector-Jacobian product (VJP) that maps the gradient of its value to gradients of its
 parents. ``backward`` visits the graph once in reverse topological order and *adds*
 each contribution into the leaves, so a leaf used twice (the tied table) gets the sum.
-The derivative rules themselves live in :mod:`impl.ops`.
+The derivative rules themselves live in :mod:`impl.ops`; :func:`unbroadcast` is the one
+helper they share, which sums a gradient back to the shape of a broadcast input.
 """
 
 from __future__ import annotations
@@ -14,14 +15,27 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from impl import workspace
 from impl.errors import BackwardSeedShape, GraphReleased
 
-__all__ = ["Array", "Tensor", "VectorJacobian"]
+__all__ = ["Array", "Tensor", "VectorJacobian", "unbroadcast"]
 
 Array = npt.NDArray[np.float64]
 # Maps the gradient of a node's value to one gradient per parent (None: no contribution).
 VectorJacobian = Callable[[Array], Sequence[Array | None]]
+
+
+def unbroadcast(gradient: Array, shape: tuple[int, ...]) -> Array:
+    """Sum ``gradient`` down to ``shape``, undoing numpy broadcasting (the VJP of a
+    broadcast is a sum over the axes it stretched)."""
+    extra = gradient.ndim - len(shape)
+    if extra > 0:
+        gradient = gradient.sum(axis=tuple(range(extra)))
+    stretched = tuple(
+        axis for axis, size in enumerate(shape) if size == 1 and gradient.shape[axis] != 1
+    )
+    if stretched:
+        gradient = gradient.sum(axis=stretched, keepdims=True)
+    return gradient
 
 
 def _frozen(value: Array) -> Array:
@@ -67,11 +81,6 @@ class Tensor:
         """The value's shape."""
         return tuple(self._value.shape)
 
-    @property
-    def is_leaf(self) -> bool:
-        """True for trainable leaves, which receive gradients."""
-        return self.requires_grad and self._vjp is None
-
     def detach(self) -> Tensor:
         """A constant with the same value, cut off from the tape."""
         node = Tensor.__new__(Tensor)
@@ -108,6 +117,10 @@ class Tensor:
                 raise BackwardSeedShape(expected=self.shape, actual=tuple(upstream.shape))
         if not self.requires_grad:
             return
+        # Sums of large gradients go to reused buffers (no page faults at the benchmark
+        # sizes); imported here because the fast path itself builds on this module.
+        from impl.kernels import buffers
+
         order = _topological_order(self)
         if any(node._vjp is _released for node in order):
             raise GraphReleased(operation=next(n.op for n in order if n._vjp is _released))
@@ -117,17 +130,13 @@ class Tensor:
             if gradient is None:
                 continue
             if node._vjp is None:
-                node.grad = workspace.copy(gradient) if node.grad is None else node.grad + gradient
+                node.grad = buffers.copy(gradient) if node.grad is None else node.grad + gradient
                 continue
             for parent, contribution in zip(node._parents, node._vjp(gradient), strict=True):
                 if contribution is None or not parent.requires_grad:
                     continue
                 key = id(parent)
-                pending[key] = (
-                    contribution
-                    if key not in pending
-                    else workspace.add(pending[key], contribution)
-                )
+                pending[key] = contribution if key not in pending else pending[key] + contribution
             if not retain_graph:
                 node._vjp = _released
                 node._parents = ()

@@ -11,41 +11,13 @@ from hypothesis import strategies as st
 
 from impl.layers import NamedParameter
 from impl.model import DecoderModel
-from impl.tape import Tensor
+from spec import strategies
 from spec.config import FIXTURE, DecoderConfig
 from spec.parameters import parameter_count, parameter_layout, parameter_names
 from spec.recipe import GOLDEN_GAMMA, SplitMix64
-from tests.helpers import central_difference, scaled_error
+from tests.helpers import central_difference, max_symmetric_error
 
 CONFIG = FIXTURE.config
-
-
-@st.composite
-def configs(draw: st.DrawFn, max_layers: int = 3) -> DecoderConfig:
-    """Small valid configurations, built by construction (heads x even head width)."""
-    heads = draw(st.integers(1, 4))
-    head_width = 2 * draw(st.integers(1, 4))
-    return DecoderConfig(
-        vocabulary_size=draw(st.integers(1, 9)),
-        model_width=heads * head_width,
-        heads=heads,
-        feed_forward_width=draw(st.integers(1, 12)),
-        layers=draw(st.integers(0, max_layers)),
-        context=draw(st.integers(1, 6)),
-        rope_base=draw(st.sampled_from([10000.0, 100.0, 3.5])),
-        rms_epsilon=draw(st.sampled_from([1e-6, 1e-5, 0.0])),
-    )
-
-
-@st.composite
-def batches(draw: st.DrawFn, config: DecoderConfig) -> np.ndarray:  # type: ignore[type-arg]
-    batch = draw(st.integers(1, 3))
-    length = draw(st.integers(1, config.context))
-    ids = st.integers(0, config.vocabulary_size - 1)
-    rows = draw(
-        st.lists(st.lists(ids, min_size=length, max_size=length), min_size=batch, max_size=batch)
-    )
-    return np.asarray(rows, dtype=np.int64)
 
 
 def test_fixture_structure() -> None:
@@ -76,11 +48,11 @@ def test_one_leaf_serves_lookup_and_head() -> None:
     assert model.tied_embedding.name == "token_embedding.weight"
 
 
-@given(config=configs(), data=st.data())
+@given(config=strategies.configs(), data=st.data())
 def test_tied_gradient_is_lookup_plus_output_role(
     config: DecoderConfig, data: st.DataObject
 ) -> None:
-    tokens = data.draw(batches(config))
+    tokens = data.draw(strategies.token_batches(config))
     targets = data.draw(st.integers(0, 2**32 - 1)) % config.vocabulary_size * np.ones_like(tokens)
     gradients = []
     for detach_lookup, detach_head in ((False, False), (False, True), (True, False)):
@@ -91,19 +63,25 @@ def test_tied_gradient_is_lookup_plus_output_role(
             np.zeros((config.vocabulary_size, config.model_width)) if gradient is None else gradient
         )
     full, lookup_role, output_role = gradients
-    assert scaled_error(full, lookup_role + output_role) <= 1e-14
+    assert max_symmetric_error(full, lookup_role + output_role) <= 1e-14
     # Rows never looked up get gradient only from the output role.
     unused = np.setdiff1d(np.arange(config.vocabulary_size), tokens)
     assert np.all(lookup_role[unused] == 0.0)
 
 
-def test_untied_copy_has_separate_identity() -> None:
-    """An equal-valued copy is a different node: tying is identity, not equal values."""
+def test_the_tie_is_one_node_and_a_rebuild_makes_new_ones() -> None:
+    """Both uses of the table are the model's one leaf; a rebuilt model owns new leaves with
+    equal values, so its gradients never reach the original's."""
     model = DecoderModel.from_seed(CONFIG, FIXTURE.seed)
     table = model.tied_embedding.tensor
-    copy = Tensor(table.value, requires_grad=True)
-    np.testing.assert_array_equal(copy.value, table.value)
-    assert not copy.is_same_node(table)
+    forward = model.forward(FIXTURE.tokens)
+    assert forward.lookup_table.is_same_node(table) and forward.head_table.is_same_node(table)
+    rebuilt = DecoderModel.from_parameters(CONFIG, model.state())
+    assert not rebuilt.tied_embedding.tensor.is_same_node(table)
+    np.testing.assert_array_equal(rebuilt.tied_embedding.tensor.value, table.value)
+    rebuilt.loss(FIXTURE.tokens, FIXTURE.targets).backward()
+    assert rebuilt.tied_embedding.tensor.grad is not None
+    assert all(grad is None for grad in model.gradients().values())
 
 
 def test_stream_advances_by_exactly_the_matrix_scalars() -> None:
@@ -146,11 +124,11 @@ def test_published_embedding_row() -> None:
     assert [f"{v:.6f}" for v in row] == ["0.682029", "0.153556", "-0.351563", "0.356056"]
 
 
-@given(config=configs(), seed=st.integers(0, 2**64 - 1), data=st.data())
+@given(config=strategies.configs(), seed=st.integers(0, 2**64 - 1), data=st.data())
 def test_same_config_and_seed_replay_bitwise(
     config: DecoderConfig, seed: int, data: st.DataObject
 ) -> None:
-    tokens = data.draw(batches(config))
+    tokens = data.draw(strategies.token_batches(config))
     first, second = DecoderModel.from_seed(config, seed), DecoderModel.from_seed(config, seed)
     for a, b in zip(first.state(), second.state(), strict=True):
         assert a[0] == b[0] and a[1].tobytes() == b[1].tobytes()
@@ -160,11 +138,11 @@ def test_same_config_and_seed_replay_bitwise(
     )
 
 
-@given(config=configs(), data=st.data())
+@given(config=strategies.configs(), data=st.data())
 def test_changing_token_t_leaves_earlier_rows_bitwise_unchanged(
     config: DecoderConfig, data: st.DataObject
 ) -> None:
-    tokens = data.draw(batches(config))
+    tokens = data.draw(strategies.token_batches(config))
     position = data.draw(st.integers(0, tokens.shape[1] - 1))
     changed = tokens.copy()
     changed[:, position] = (changed[:, position] + 1) % config.vocabulary_size
@@ -173,26 +151,26 @@ def test_changing_token_t_leaves_earlier_rows_bitwise_unchanged(
     assert before[:, :position].tobytes() == after[:, :position].tobytes()
 
 
-@given(config=configs(), data=st.data())
+@given(config=strategies.configs(), data=st.data())
 def test_batch_rows_are_independent(config: DecoderConfig, data: st.DataObject) -> None:
-    tokens = data.draw(batches(config))
+    tokens = data.draw(strategies.token_batches(config))
     model = DecoderModel.from_seed(config, 3)
     together = model.forward(tokens).logits.value
     for row in range(tokens.shape[0]):
         alone = model.forward(tokens[row : row + 1]).logits.value
-        assert scaled_error(alone[0], together[row]) <= 1e-13
+        assert max_symmetric_error(alone[0], together[row]) <= 1e-13
 
 
-@given(config=configs(max_layers=0), data=st.data())
+@given(config=strategies.configs(max_layers=0), data=st.data())
 def test_depth_zero_is_normalized_lookup_times_table_transpose(
     config: DecoderConfig, data: st.DataObject
 ) -> None:
-    tokens = data.draw(batches(config))
+    tokens = data.draw(strategies.token_batches(config))
     model = DecoderModel.from_seed(config, 1)
     table = model.tied_embedding.tensor.value
     rows = table[tokens]
     normalized = rows / np.sqrt((rows * rows).mean(axis=-1, keepdims=True) + config.rms_epsilon)
-    assert scaled_error(model.forward(tokens).logits.value, normalized @ table.T) <= 1e-13
+    assert max_symmetric_error(model.forward(tokens).logits.value, normalized @ table.T) <= 1e-13
 
 
 def test_rebuild_round_trips_and_copies() -> None:
@@ -218,11 +196,11 @@ def test_flat_ids_with_shape_equal_the_2d_form() -> None:
     assert flat.tobytes() == square.tobytes()
 
 
-@given(config=configs(max_layers=2), data=st.data())
+@given(config=strategies.configs(max_layers=2), data=st.data())
 def test_whole_model_gradients_match_central_differences(
     config: DecoderConfig, data: st.DataObject
 ) -> None:
-    tokens = data.draw(batches(config))
+    tokens = data.draw(strategies.token_batches(config))
     targets = (tokens + 1) % config.vocabulary_size
     model = DecoderModel.from_seed(config, 17)
     model.loss(tokens, targets).backward()
@@ -237,7 +215,7 @@ def test_whole_model_gradients_match_central_differences(
 
     gradient = model.gradients()[name]
     assert gradient is not None
-    error = scaled_error(gradient, central_difference(loss_of, value))
+    error = max_symmetric_error(gradient, central_difference(loss_of, value))
     assert error <= 1e-6, f"{name}: scaled error {error:.2e}, but should be <= 1e-6"
 
 

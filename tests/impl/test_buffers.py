@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from impl import workspace
+from impl.kernels import buffers as workspace
 from impl.model import DecoderModel
 from spec.config import DecoderConfig
 from spec.recipe import initial_parameters
@@ -69,23 +69,31 @@ def test_the_limit_evicts_free_buffers_and_then_falls_back_to_numpy() -> None:
     assert cache.cached == other_size.nbytes
 
 
-def test_gradients_a_caller_holds_survive_later_steps() -> None:
+def test_arrays_a_caller_holds_survive_later_steps() -> None:
+    """Stage values and gradients a caller keeps (the tape's own arrays, not copies) are not
+    overwritten by the buffers later steps reuse; a repeated step reproduces them bitwise."""
     config = DecoderConfig(512, 64, 4, 96, 2, 128)
     model = DecoderModel.from_parameters(config, initial_parameters(config, 4))
     rng = np.random.default_rng(0)
     tokens, targets = rng.integers(0, 512, size=(2, 2, 128))
+    forward = model.forward(tokens)
+    held = [stage.value for _, stage in forward.stages()] + [forward.logits.value]
     loss = model.loss(tokens, targets)
     loss.backward(retain_graph=False)
-    held = {name: grad for name, grad in model.gradients().items() if grad is not None}
-    copies = {name: grad.copy() for name, grad in held.items()}
+    held += [p.tensor.grad for p in model.parameters() if p.tensor.grad is not None]
+    assert workspace.cached_bytes() > 0, "the step must have used cached buffers"
+    copies = [array.copy() for array in held]
     for _ in range(2):
         model.zero_grad()
         other_tokens, other_targets = rng.integers(0, 512, size=(2, 2, 128))
+        model.forward(other_tokens)
         model.loss(other_tokens, other_targets).backward(retain_graph=False)
-    for name, grad in held.items():
-        np.testing.assert_array_equal(grad, copies[name], err_msg=name)
+    for index, (array, copy) in enumerate(zip(held, copies, strict=True)):
+        np.testing.assert_array_equal(array, copy, err_msg=f"held array {index} was overwritten")
     model.zero_grad()
+    again = model.forward(tokens)
     model.loss(tokens, targets).backward(retain_graph=False)
-    for name, grad in model.gradients().items():
-        assert grad is not None
-        np.testing.assert_array_equal(grad, copies[name], err_msg=f"{name}: not repeatable")
+    repeated = [stage.value for _, stage in again.stages()] + [again.logits.value]
+    repeated += [p.tensor.grad for p in model.parameters() if p.tensor.grad is not None]
+    for index, (array, copy) in enumerate(zip(repeated, copies, strict=True)):
+        np.testing.assert_array_equal(array, copy, err_msg=f"array {index}: not repeatable")

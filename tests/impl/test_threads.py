@@ -1,4 +1,4 @@
-"""Row-parallel execution: parts cover every row once, and results do not depend on threads."""
+"""Row-parallel execution: parts cover every row once, errors and BLAS threads are handled."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from impl import ops, parallel
+from conformance.runner import THREAD_VARIABLES
+from impl import ops
+from impl.kernels import threads as parallel
 from impl.tape import Array, Tensor
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -104,57 +106,6 @@ def test_blas_thread_count_is_restored_after_parts(threads: Callable[[int], None
     assert get() == before
 
 
-def _elementwise_results(seed: int) -> list[Array]:
-    """Values and gradients of every row-parallel operation, on shapes big enough to split."""
-    rng = np.random.default_rng(seed)
-    results: list[Array] = []
-
-    def run(operation: Callable[..., Tensor], *shapes: tuple[int, ...]) -> None:
-        leaves = [Tensor(rng.normal(size=shape), requires_grad=True) for shape in shapes]
-        output = operation(*leaves)
-        output.backward(rng.normal(size=output.shape) if output.shape else None)
-        results.append(output.value.copy())
-        results.extend(leaf.grad.copy() for leaf in leaves if leaf.grad is not None)
-
-    angles = rng.normal(size=(96, 8))
-    run(lambda x, g: ops.rms_norm(x, g, 1e-6), (3, 96, 160), (160,))
-    run(ops.swiglu_product, (3, 96, 200), (3, 96, 200))
-    run(ops.causal_attention, (3, 4, 96, 16), (3, 4, 96, 16), (3, 4, 96, 16))
-    run(lambda x: ops.rotary(x, np.cos(angles), np.sin(angles)), (3, 4, 96, 16))
-    targets = rng.integers(0, 700, size=288)
-    run(lambda logits: ops.indexed_mean_nll(logits, targets), (3, 96, 700))
-    return results
-
-
-def test_row_parallel_operations_are_bitwise_independent_of_the_thread_count(
-    threads: Callable[[int], None],
-) -> None:
-    threads(1)
-    single = _elementwise_results(seed=5)
-    for count in (2, 3):
-        threads(count)
-        for expected, actual in zip(single, _elementwise_results(seed=5), strict=True):
-            np.testing.assert_array_equal(actual, expected)
-
-
-def test_split_matrix_products_agree_with_one_product(threads: Callable[[int], None]) -> None:
-    """Rows split over threads: the same products to rounding (BLAS may block them apart)."""
-    rng = np.random.default_rng(3)
-    x, w = rng.normal(size=(4, 128, 96)), rng.normal(size=(96, 80))
-    g = rng.normal(size=(4, 128, 80))
-    outcomes = []
-    for count in (1, 2):
-        threads(count)
-        a, b = Tensor(x, requires_grad=True), Tensor(w, requires_grad=True)
-        product = ops.matmul(a, b)
-        product.backward(g)
-        assert a.grad is not None and b.grad is not None
-        outcomes.append((product.value.copy(), a.grad.copy(), b.grad.copy()))
-    for one, split in zip(*outcomes, strict=True):
-        np.testing.assert_allclose(split, one, rtol=1e-13, atol=1e-13 * np.abs(one).max())
-    np.testing.assert_allclose(outcomes[0][0], x @ w, rtol=1e-13, atol=1e-12)
-
-
 def _product_in_child(queue: multiprocessing.Queue[Array]) -> None:
     left = Tensor(np.ones((256, 64)))
     queue.put(ops.matmul(left, Tensor(np.ones((64, 64)))).value.copy())
@@ -186,9 +137,9 @@ def test_a_forked_child_starts_its_own_threads(threads: Callable[[int], None]) -
 def test_thread_count_comes_from_the_environment(
     environment: dict[str, str], expected: int
 ) -> None:
-    clean = {k: v for k, v in os.environ.items() if k not in parallel.THREAD_VARIABLES}
+    clean = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
     answer = subprocess.run(
-        [sys.executable, "-c", "from impl import parallel; print(parallel.thread_count())"],
+        [sys.executable, "-c", "from impl.kernels import threads; print(threads.thread_count())"],
         env={**clean, **environment},
         cwd=ROOT,
         capture_output=True,
@@ -226,15 +177,3 @@ def test_small_concurrent_work_runs_in_the_calling_thread(
 
     parallel.run_concurrently([task, task], parallel.MIN_WORK_PER_PART)
     assert names == [threading.current_thread().name] * 2
-
-
-def test_concurrent_products_equal_the_products_one_by_one(
-    threads: Callable[[int], None],
-) -> None:
-    rng = np.random.default_rng(8)
-    pairs = [(rng.normal(size=(300, 70)), rng.normal(size=(70, 90))) for _ in range(2)]
-    threads(2)
-    together = ops._matrix_products(pairs)
-    threads(1)
-    for (a, b), product in zip(pairs, together, strict=True):
-        np.testing.assert_allclose(product, a @ b, rtol=1e-13, atol=1e-12)

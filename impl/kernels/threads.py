@@ -10,7 +10,7 @@ a while after each product, and on a small machine they take the cores the parts
 about 1.5x slower).
 
 An elementwise part does the same arithmetic on its rows as one call over all rows would, so
-those results are bitwise the same for any thread count (tests/test_parallel.py). A matrix
+those results are bitwise the same for any thread count (tests/impl/test_threads.py). A matrix
 product split by rows can differ in the last bit from an unsplit one, as BLAS results differ
 between thread counts; for a given thread count every result is reproducible. Reductions
 across rows (a gain's gradient, the mean loss) stay in the calling thread, in one call.
@@ -32,7 +32,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 __all__ = [
     "MIN_WORK_PER_PART",
-    "THREAD_VARIABLES",
     "Part",
     "run_concurrently",
     "run_in_parts",
@@ -42,13 +41,8 @@ __all__ = [
 
 # A part smaller than this costs more to hand to a thread (about 50 us) than it saves.
 MIN_WORK_PER_PART = 1 << 15
-# Every variable that sets a thread count of the reference, numpy's BLAS or torch.
-THREAD_VARIABLES = (
-    "DECODER_CONFORMANCE_THREADS",
-    "OMP_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "MKL_NUM_THREADS",
-)
+# Where the thread count is read from, first match wins.
+_COUNT_VARIABLES = ("DECODER_CONFORMANCE_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 # An index into the leading axes: slices, one per axis up to and including the split one.
 Part = tuple[slice, ...]
@@ -56,7 +50,7 @@ BlasControls = tuple[Callable[[], int], Callable[[int], None]]
 
 
 def _configured_thread_count() -> int:
-    for variable in THREAD_VARIABLES[:3]:
+    for variable in _COUNT_VARIABLES:
         text = os.environ.get(variable, "").strip()
         if text.isdigit() and int(text) > 0:
             return int(text)

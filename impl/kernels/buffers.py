@@ -4,12 +4,12 @@ Every forward and backward pass allocates the same large arrays again. Memory fr
 operating system costs a page fault per 4 KiB page on first touch, and glibc hands freed
 memory back at the end of each step: a medium bench step took about 26,000 page faults and
 65 ms of system time (``getrusage``) before this cache, and takes none after the first step.
-The workspace keeps each large buffer after use and hands it out again, for an array with
+The cache keeps each large buffer after use and hands it out again, for an array with
 the same number of elements (in any shape), once nothing refers to it any more.
 
-"Nothing refers to it" is read off the reference count of the flat buffer the workspace
+"Nothing refers to it" is read off the reference count of the flat buffer the cache
 owns: callers only ever get views of it, and every view holds a reference to its base. A
-buffer is reused only when the workspace's own reference is the last one, so an array a
+buffer is reused only when the cache's own reference is the last one, so an array a
 caller still holds (a tensor's value, a gradient, a view of either) is never overwritten.
 
 Buffers below :data:`MIN_POOLED_BYTES` come straight from numpy. The cache holds at most
@@ -144,10 +144,10 @@ def release() -> None:
 
 
 def cached_bytes() -> int:
-    """Bytes the workspace holds, in use or free."""
+    """Bytes the cache holds, in use or free."""
     return _WORKSPACE.cached
 
 
 def limit_bytes() -> int:
-    """The most bytes the workspace keeps."""
+    """The most bytes the cache keeps."""
     return _WORKSPACE.limit

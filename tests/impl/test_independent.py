@@ -12,8 +12,8 @@ import pytest
 
 from impl.model import DecoderModel
 from spec.config import FIXTURE, DecoderConfig
-from tests.helpers import scaled_error
-from tests.plain_decoder import complex_step_gradients, plain_forward
+from tests.helpers import max_symmetric_error
+from tests.impl.plain_decoder import complex_step_gradients, plain_forward
 
 # Both sides compute in float64 with differently ordered sums; measured differences are
 # ~1e-15. 1e-12 is the bound and leaves a margin for deeper configurations.
@@ -71,20 +71,20 @@ def test_reference_matches_plain_computation(
 
     forward = model.forward(tokens)
     for (name, stage), expected in zip(forward.stages(), plain.stages, strict=True):
-        error = scaled_error(stage.value, np.real(expected))
+        error = max_symmetric_error(stage.value, np.real(expected))
         assert error <= AGREEMENT, f"stage {name}: scaled error {error:.2e}, but should be <= 1e-12"
-    error = scaled_error(forward.logits.value, np.real(plain.logits))
+    error = max_symmetric_error(forward.logits.value, np.real(plain.logits))
     assert error <= AGREEMENT, f"logits: scaled error {error:.2e}, but should be <= 1e-12"
 
     loss = model.loss(tokens, targets)
-    error = scaled_error(np.asarray(loss.value), np.asarray(np.real(plain.loss)))
+    error = max_symmetric_error(np.asarray(loss.value), np.asarray(np.real(plain.loss)))
     assert error <= AGREEMENT, f"loss: scaled error {error:.2e}, but should be <= 1e-12"
 
     loss.backward()
     expected_gradients = complex_step_gradients(config, weights, token_ids, target_ids)
     for name, gradient in model.gradients().items():
         assert gradient is not None, f"{name} received no gradient"
-        error = scaled_error(gradient, expected_gradients[name])
+        error = max_symmetric_error(gradient, expected_gradients[name])
         assert error <= AGREEMENT, (
             f"gradient of {name}: scaled error {error:.2e}, but should be <= 1e-12"
         )
