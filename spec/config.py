@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
-__all__ = ["FIXTURE", "DecoderConfig", "Fixture"]
+__all__ = ["FIXTURE", "REAL_FIELDS", "SIZE_FIELDS", "DecoderConfig", "Fixture"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,11 @@ class DecoderConfig:
     def as_dict(self) -> dict[str, int | float]:
         """The fields by name, in declaration order."""
         return asdict(self)
+
+
+# The fields that hold sizes (non-negative integers) and those that hold real numbers.
+SIZE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(DecoderConfig) if f.type == "int")
+REAL_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(DecoderConfig) if f.type == "float")
 
 
 @dataclass(frozen=True)

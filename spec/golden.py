@@ -328,28 +328,46 @@ def _decode_array(entry: Any, source: str, case: str, what: str) -> FloatArray:
     return exact.reshape(shape)
 
 
+def _object(node: Any, source: str, case: str, what: str) -> dict[str, Any]:
+    if not isinstance(node, dict):
+        raise GoldenError(
+            source, case, f"{what} is malformed (a {type(node).__name__}, not an object)"
+        )
+    return node
+
+
+def _entries(node: Any, source: str, case: str, what: str) -> list[dict[str, Any]]:
+    if not isinstance(node, list) or not all(isinstance(item, dict) for item in node):
+        raise GoldenError(source, case, f"{what} is malformed (not a list of objects)")
+    return node
+
+
 def decode_record(text: str, source: str = "<golden>") -> GoldenRecord:
     """Parse and verify a golden file; a :class:`GoldenError` names the file, case and value."""
     try:
         payload = json.loads(text, parse_float=_DecimalText)
     except json.JSONDecodeError as error:
         raise GoldenError(source, "?", f"not JSON ({error.msg} at line {error.lineno})") from None
-    case_entry = payload.get("case", {}) if isinstance(payload, dict) else {}
+    except RecursionError:
+        raise GoldenError(source, "?", "not JSON this suite reads (nested too deeply)") from None
+    if not isinstance(payload, dict):
+        raise GoldenError(source, "?", f"not a JSON object (a {type(payload).__name__})")
+    case_entry = _object(payload.get("case", {}), source, "?", "case")
     name = str(case_entry.get("name", "?"))
     if payload.get("format") != FORMAT or payload.get("format_version") != FORMAT_VERSION:
         found = f"format {payload.get('format')!r} version {payload.get('format_version')!r}"
         wanted = f"this suite reads {FORMAT!r} version {FORMAT_VERSION}"
         raise GoldenError(source, name, f"{found}, but {wanted}")
-    expected = payload.get("expected", {})
+    expected = _object(payload.get("expected", {}), source, name, "expected")
     stages = [
-        (str(s["name"]), _decode_array(s, source, name, f"stage {s['name']}"))
-        for s in expected.get("stages", [])
+        (str(s.get("name")), _decode_array(s, source, name, f"stage {s.get('name')}"))
+        for s in _entries(expected.get("stages", []), source, name, "stages")
     ]
     logits = _decode_array(expected.get("logits"), source, name, "logits")
     loss = _decode_array(expected.get("loss"), source, name, "loss")
     gradients = [
-        (str(g["name"]), _decode_array(g, source, name, f"gradient of {g['name']}"))
-        for g in expected.get("gradients", [])
+        (str(g.get("name")), _decode_array(g, source, name, f"gradient of {g.get('name')}"))
+        for g in _entries(expected.get("gradients", []), source, name, "gradients")
     ]
     checksum = payload.pop("checksum", None)
     if checksum != _checksum(_as_numbers(payload)):
@@ -369,7 +387,8 @@ def decode_record(text: str, source: str = "<golden>") -> GoldenRecord:
         )
     except (KeyError, TypeError, ValueError) as error:
         raise GoldenError(source, name, f"case inputs are malformed ({error})") from None
-    provenance = {str(k): str(v) for k, v in payload.get("provenance", {}).items()}
+    provenance_entry = _object(payload.get("provenance", {}), source, name, "provenance")
+    provenance = {str(k): str(v) for k, v in provenance_entry.items()}
     return GoldenRecord(case, stages, logits, float(loss), gradients, provenance)
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from spec.config import DecoderConfig
@@ -28,11 +29,38 @@ __all__ = [
     "invalid_token_inputs",
     "perturbed_parameter_lists",
     "runs",
+    "sample",
     "token_batches",
 ]
 
 IdArray = npt.NDArray[np.int64]
 ParameterList = list[tuple[str, Any]]
+Drawn = TypeVar("Drawn")
+
+
+def sample(strategy: st.SearchStrategy[Drawn], count: int, *, seed_value: int = 0) -> list[Drawn]:
+    """``count`` examples of ``strategy``, the same ones for the same seed and hypothesis.
+
+    For measurements outside a test (the tolerance survey): the same generators as the
+    suite's properties, without a second, hand-rolled one. Not for use inside ``@given``.
+    """
+    _check_positive(count=count)
+    drawn: list[Drawn] = []
+
+    @seed(seed_value)
+    @settings(
+        max_examples=count,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(strategy)
+    def collect(example: Drawn) -> None:
+        drawn.append(example)
+
+    collect()
+    return drawn
 
 
 def _check_bounds(**bounds: tuple[int, int]) -> None:

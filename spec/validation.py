@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from spec.config import DecoderConfig
+from spec.config import REAL_FIELDS, SIZE_FIELDS, DecoderConfig
 from spec.errors import ErrorKind
 from spec.parameters import parameter_layout
 
@@ -65,24 +65,15 @@ _CONFIG_CHECKS: tuple[tuple[ErrorKind, Callable[[DecoderConfig], bool]], ...] = 
         lambda c: not (math.isfinite(c.rms_epsilon) and c.rms_epsilon >= 0),
     ),
 )
-_SIZE_FIELDS = (
-    "vocabulary_size",
-    "model_width",
-    "heads",
-    "feed_forward_width",
-    "layers",
-    "context",
-)
-_REAL_FIELDS = ("rope_base", "rms_epsilon")
 
 
 def config_violation(config: DecoderConfig) -> Violation | None:
     """The first configuration rule ``config`` breaks, or None; depth 0 is no exemption."""
-    for name in _SIZE_FIELDS:
+    for name in SIZE_FIELDS:
         value = getattr(config, name)
         if not _is_size(value) or value < 0:
             return Violation(ErrorKind.CONFIG_FIELD_TYPE, {"field": name, "actual": value})
-    for name in _REAL_FIELDS:
+    for name in REAL_FIELDS:
         value = getattr(config, name)
         if not _is_real(value):
             return Violation(ErrorKind.CONFIG_FIELD_TYPE, {"field": name, "actual": value})

@@ -14,7 +14,7 @@ from spec.config import FIXTURE, DecoderConfig
 from spec.oracle import oracle_forward, precision, relative_error, to_float64, to_mp
 from spec.recipe import SplitMix64, initial_parameters
 
-TRACE = Path(__file__).resolve().parent.parent / "golden" / "seed" / "ch32-trace.expected.txt"
+TRACE = Path(__file__).resolve().parents[2] / "golden" / "seed" / "ch32-trace.expected.txt"
 
 
 def published(prefix: str) -> list[list[str]]:
