@@ -219,7 +219,7 @@ def _real(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
-def _build_parser() -> _Parser:
+def build_parser() -> _Parser:
     parser = _Parser(
         prog=PROGRAM,
         description="Check tied-embedding decoder-only transformers against an executable spec.",
@@ -301,10 +301,9 @@ def _build_parser() -> _Parser:
 
 
 def _run_report(options: argparse.Namespace) -> str:
-    from impl.evidence import collect_evidence
-    from impl.report import render_report
+    from conformance.tools.evidence import seed_report
 
-    return render_report(collect_evidence(FIXTURE))
+    return seed_report()
 
 
 def _run_rules(options: argparse.Namespace) -> str:
@@ -329,9 +328,7 @@ def _run_rules(options: argparse.Namespace) -> str:
 
 
 def _run_trace(options: argparse.Namespace) -> str:
-    from impl.errors import DecoderModelError
-    from impl.evidence import collect_evidence, fixture_for, run_fixture
-    from impl.report import render_trace, trace_json
+    from conformance.tools.evidence import TraceRefused, trace
     from spec.config import DecoderConfig
 
     if options.tokens is not None and options.targets is None:
@@ -354,27 +351,19 @@ def _run_trace(options: argparse.Namespace) -> str:
     )
     tokens = FIXTURE.tokens if options.tokens is None else _id_rows("--tokens", options.tokens)
     targets = FIXTURE.targets if options.targets is None else _id_rows("--targets", options.targets)
-    fixture = fixture_for(config, options.seed, tokens, targets)
     try:
-        if options.format == "json":
-            return trace_json(run_fixture(fixture))
-        return render_trace(collect_evidence(fixture))
-    except DecoderModelError as error:
-        raise CommandLineError(f"{PROGRAM} trace: {error} [{error.kind}]") from error
+        return trace(config, options.seed, tokens, targets, as_json=options.format == "json")
+    except TraceRefused as error:
+        raise CommandLineError(f"{PROGRAM} trace: {error}") from error
 
 
 def _run_suite(options: argparse.Namespace) -> str:
-    """Run pytest on the installed suite; the plugin prints progress and the rule table."""
-    import json
-    import os
+    """Run the suite; its progress and the rule table go straight to the terminal."""
     import shlex
-    import tempfile
     from importlib.util import find_spec
     from pathlib import Path
 
-    import pytest
-
-    import conformance
+    from conformance.runner import run_suite
 
     if options.workers and find_spec("xdist") is None:
         raise CommandLineError(
@@ -384,41 +373,20 @@ def _run_suite(options: argparse.Namespace) -> str:
         folder = Path(target).resolve().parent if target else None
         if folder is not None and not folder.is_dir():
             raise CommandLineError(f"{PROGRAM} run: {flag} {target}: no folder {folder}")
-    package_parent = Path(conformance.__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory(prefix="decoder-conformance-") as scratch:
-        report_path = Path(options.json or Path(scratch) / "report.json")
-        arguments = [
-            # The user's own pytest configuration must not change what the suite checks.
-            "-c", os.devnull, "--rootdir", str(package_parent), "-p", "no:cacheprovider",
-            "-p", "no:randomly",
-            "--pyargs", "conformance", "-q",
-            "--conformance-profile", options.profile,
-            "--conformance-json", str(report_path),
-            "--backend-timeout", str(options.backend_timeout),
-        ]  # fmt: skip
-        for flag, value in (
-            ("--adapter", options.adapter),
-            ("--conformance-markdown", options.markdown),
-            ("--xfails-file", options.xfails_file),
-            ("--backend-command", options.backend_command),
-        ):
-            if value:
-                arguments += [flag, value]
-        if options.workers:
-            # Work stealing evens out the long tail of oracle-heavy properties; each worker
-            # computes on one thread so N workers share the cores instead of fighting for them.
-            arguments += ["-n", str(options.workers), "--dist", "worksteal"]
-            from impl.parallel import THREAD_VARIABLES
-
-            for variable in THREAD_VARIABLES:
-                os.environ.setdefault(variable, "1")
-        arguments += shlex.split(options.pytest_args)
-        status = pytest.main(arguments)
-        if status not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
-            raise _SuiteExit(int(status))
-        summary = json.loads(report_path.read_text(encoding="utf-8"))["summary"]
-    if summary["failed"]:
-        raise _SuiteExit(1)
+    report = run_suite(
+        options.adapter,
+        profile=options.profile,
+        backend_command=options.backend_command,
+        backend_timeout=options.backend_timeout,
+        xfails_file=options.xfails_file,
+        json_report=options.json,
+        markdown_report=options.markdown,
+        workers=options.workers,
+        pytest_args=shlex.split(options.pytest_args),
+        capture=False,
+    )
+    if report.status:
+        raise _SuiteExit(report.status)
     return ""
 
 
@@ -440,7 +408,7 @@ def _run_tolerances(options: argparse.Namespace) -> str:
             lines.append(f"{precision!s:<9}  {bounds}  {entry.derivation}")
         return "\n".join(lines) + "\n"
     from conformance.adapter import BackendLoadError, BackendOptions, load_backend
-    from conformance.tolerance_survey import account_for_seed_check, render_survey, survey
+    from conformance.tools.tolerance_survey import account_for_seed_check, render_survey, survey
     from spec.tolerances import tolerance_for
 
     try:
@@ -458,7 +426,8 @@ def _run_golden(options: argparse.Namespace) -> str:
     from pathlib import Path
 
     from conformance.adapter import BackendLoadError, load_backend
-    from conformance.golden import check_golden, golden_directory, regenerate
+    from conformance.golden import golden_directory
+    from conformance.tools.golden import check_golden, regenerate
 
     directory = Path(options.directory) if options.directory else golden_directory()
     if options.action == "regen":
@@ -482,7 +451,7 @@ def _run_golden(options: argparse.Namespace) -> str:
 def _run_bench(options: argparse.Namespace) -> str:
     from pathlib import Path
 
-    from conformance.bench import SIZES, render_bench, run_bench
+    from conformance.tools.bench import SIZES, render_bench, run_bench
 
     sizes = [name.strip() for name in options.sizes.split(",") if name.strip()]
     unknown = [name for name in sizes if name not in SIZES]
@@ -508,8 +477,8 @@ def _run_bench(options: argparse.Namespace) -> str:
 def _run_mutants(options: argparse.Namespace) -> str:
     import time
 
-    from conformance.mutant_runner import render_matrix, run_catalogue
-    from conformance.mutants import MUTANTS
+    from conformance.tools.mutant_runner import render_matrix, run_catalogue
+    from conformance.tools.mutants import MUTANTS
 
     if options.list:
         width = max(len(m.name) for m in MUTANTS)
@@ -559,7 +528,7 @@ def attach_pass_through_values(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    parser = _build_parser()
+    parser = build_parser()
     try:
         options = parser.parse_args(
             attach_pass_through_values(sys.argv[1:] if argv is None else argv)

@@ -26,6 +26,9 @@ from typing import Any
 from spec.rules import RULES
 
 __all__ = [
+    "STATUSES",
+    "Report",
+    "ReportError",
     "RuleResult",
     "RuleTally",
     "SuiteIdentity",
@@ -94,6 +97,77 @@ class RuleTally:
         for result in self.results.values():
             counts[result.status] += 1
         return counts
+
+
+class ReportError(ValueError):
+    """A JSON report that does not follow the schema."""
+
+
+@dataclass
+class Report:
+    """What one run of the suite found: who was checked, every rule's result, the verdict.
+
+    ``status`` is the run's exit status: 0 when no rule failed, 1 when one did, anything else
+    when the run itself could not complete (pytest's usage errors, an adapter that cannot
+    be loaded: 4). ``output`` is what the run printed, when it was captured.
+    """
+
+    status: int
+    identity: SuiteIdentity | None = None
+    rules: list[RuleResult] = field(default_factory=list)
+    output: str = ""
+
+    @property
+    def summary(self) -> dict[str, int]:
+        """How many rules ended in each status."""
+        counts = dict.fromkeys(STATUSES, 0)
+        for result in self.rules:
+            counts[result.status] += 1
+        return counts
+
+    def rule(self, rule_id: str) -> RuleResult:
+        """One rule's result; a ``KeyError`` names an unknown ID."""
+        for result in self.rules:
+            if result.id == rule_id:
+                return result
+        raise KeyError(f"no rule {rule_id!r} in this report")
+
+    def failed(self) -> list[RuleResult]:
+        """The failed rules, in registry order."""
+        return [result for result in self.rules if result.status == "failed"]
+
+    @classmethod
+    def from_json(cls, text: str, *, status: int, output: str = "") -> Report:
+        """The report a :func:`render_json` document describes."""
+        try:
+            document = json.loads(text)
+            if document.get("schema") != "decoder-conformance-report":
+                raise ReportError(f"not a decoder-conformance report: {text[:80]!r}")
+            identity = SuiteIdentity(
+                backend=str(document["backend"]),
+                backend_version=str(document["backend_version"]),
+                precision=str(document["precision"]),
+                capabilities=[str(c) for c in document["capabilities"]],
+                suite_version=str(document["suite_version"]),
+                profile=str(document["profile"]),
+            )
+            rules = [
+                RuleResult(
+                    id=str(r["id"]),
+                    category=str(r["category"]),
+                    statement=str(r["statement"]),
+                    status=str(r["status"]),
+                    duration=float(r["duration"]),
+                    tests=int(r["tests"]),
+                    message=str(r["message"]),
+                )
+                for r in document["rules"]
+            ]
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
+            if isinstance(error, ReportError):
+                raise
+            raise ReportError(f"malformed report ({type(error).__name__}: {error})") from None
+        return cls(status, identity, rules, output)
 
 
 def _first_line(message: str) -> str:

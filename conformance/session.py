@@ -11,6 +11,7 @@ import pytest
 
 from conformance import __version__
 from conformance.adapter import Backend, BackendLoadError, BackendOptions, load_backend
+from conformance.files import write_atomically
 from conformance.profiles import active_profile
 from conformance.report import RuleTally, SuiteIdentity, render_json, render_markdown, render_table
 from spec.rules import RULES
@@ -20,6 +21,7 @@ __all__ = [
     "ENVIRONMENT_VARIABLE",
     "ExpectedFailures",
     "SuiteSession",
+    "outcome",
     "stable_id",
 ]
 
@@ -125,12 +127,12 @@ class SuiteSession:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Fold each conformance test's final outcome into its rule."""
         rule_id = dict(report.user_properties).get("rule")
-        outcome = _outcome(report) if rule_id is not None else None
-        if outcome is None:
+        verdict = outcome(report) if rule_id is not None else None
+        if verdict is None:
             return
         self.ran = True
-        message = report.longreprtext if outcome in ("failed", "xpassed") else _skip_reason(report)
-        self.tally.record(str(rule_id), outcome, report.duration, message)
+        message = report.longreprtext if verdict in ("failed", "xpassed") else _skip_reason(report)
+        self.tally.record(str(rule_id), verdict, report.duration, message)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """The rule table after pytest's own summary."""
@@ -148,7 +150,7 @@ class SuiteSession:
         ):
             target = session.config.getoption(option)
             if target:
-                _write_atomically(Path(target), render(self.tally, self.identity()))
+                write_atomically(Path(target), render(self.tally, self.identity()))
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         """Let a backend that owns resources (a process, a device) release them."""
@@ -157,7 +159,7 @@ class SuiteSession:
             close()
 
 
-def _outcome(report: pytest.TestReport) -> str | None:
+def outcome(report: pytest.TestReport) -> str | None:
     """A test's final outcome, from the one phase report that decides it (else None)."""
     if hasattr(report, "wasxfail"):
         if report.skipped:
@@ -179,10 +181,3 @@ def _skip_reason(report: pytest.TestReport) -> str:
     if isinstance(longrepr, tuple) and len(longrepr) == 3:
         return str(longrepr[2]).removeprefix("Skipped: ")
     return report.longreprtext
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write beside the target, then rename: a reader never sees half a report."""
-    temporary = path.with_name(f".{path.name}.partial")
-    temporary.write_text(text, encoding="utf-8")
-    temporary.replace(path)

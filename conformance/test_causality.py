@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 from hypothesis import given
@@ -36,11 +34,7 @@ def test_changing_token_t_leaves_earlier_rows_bitwise_unchanged(
     model = scenario.build(backend)
     before = backend.forward(model, scenario.tokens).logits
     after = backend.forward(model, changed).logits
-    check = judge.on(
-        dataclasses.replace(
-            scenario.case(changed_position=position), notes={"changed_tokens": changed}
-        )
-    )
+    check = judge.on(scenario.case(changed_position=position, changed_tokens=changed))
     for earlier in range(position):
         same = before[:, earlier].tobytes() == after[:, earlier].tobytes()
         worst = float(np.max(np.abs(before[:, earlier] - after[:, earlier])))
@@ -66,11 +60,7 @@ def test_changing_token_t_changes_row_t(
     before = backend.forward(model, scenario.tokens).logits[:, position]
     after = backend.forward(model, changed).logits[:, position]
     moved = bool(np.all(np.any(before != after, axis=-1)))
-    check = judge.on(
-        dataclasses.replace(
-            scenario.case(changed_position=position), notes={"changed_tokens": changed}
-        )
-    )
+    check = judge.on(scenario.case(changed_position=position, changed_tokens=changed))
     check.check(moved, f"logit row {position} changed in every sequence", moved, True)
 
 

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 from hypothesis import given
 
-from conformance.adapter import Backend, Capability, FloatArray
+from conformance.adapter import Backend, Capability
 from conformance.cases import Scenario, scenarios
 from conformance.checks import Case, Judge
 from conformance.profiles import suite_settings
-from spec.config import FIXTURE, DecoderConfig
+from spec.config import FIXTURE
+from spec.gradcheck import central_difference_checks, seed_probe
 from spec.oracle import oracle_forward, precision
 from spec.oracle_gradients import oracle_gradients
-from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME, parameter_layout
+from spec.parameters import parameter_layout
 from spec.tolerances import Tolerance
 
 
@@ -64,17 +63,6 @@ def test_gradients_match_the_oracle(
         check.close(f"gradient of {name}", got[name], expected, tolerance.gradients)
 
 
-def _probe() -> tuple[DecoderConfig, list[tuple[str, FloatArray]]]:
-    config = dataclasses.replace(FIXTURE.config, layers=0)
-    table = np.asarray(FIXTURE.probe_table, dtype=np.float64).reshape(
-        config.vocabulary_size, config.model_width
-    )
-    return config, [
-        (EMBEDDING_NAME, table),
-        (FINAL_NORM_NAME, np.asarray(FIXTURE.probe_gain, dtype=np.float64)),
-    ]
-
-
 @pytest.mark.rule("GRAD-SEED-CHECK")
 @pytest.mark.needs(Capability.GRADIENTS)
 def test_seed_central_difference_check(backend: Backend, judge: Judge) -> None:
@@ -83,42 +71,28 @@ def test_seed_central_difference_check(backend: Backend, judge: Judge) -> None:
     The difference quotient is taken of the oracle's loss at the float64 points x +- h, so
     the check means the same for a float32 backend as for a float64 one.
     """
-    config, parameters = _probe()
-    step, bound = FIXTURE.gradient_step, FIXTURE.gradient_tolerance
-    model = backend.build(config, parameters)
-    gradients = backend.loss(model, FIXTURE.probe_tokens, FIXTURE.probe_targets).gradients or {}
+    config, parameters = seed_probe()
+    tokens, targets = FIXTURE.probe_tokens, FIXTURE.probe_targets
+    gradients = backend.loss(backend.build(config, parameters), tokens, targets).gradients or {}
     check = judge.on(
         Case(
             config,
-            tokens=FIXTURE.probe_tokens,
-            targets=FIXTURE.probe_targets,
+            tokens=tokens,
+            targets=targets,
             call="backend.loss(backend.build(config, probe), tokens, targets)",
         )
     )
-    checked = 0
-    for index, (name, values) in enumerate(parameters):
-        analytic = np.asarray(gradients.get(name, np.full(values.shape, np.nan)), dtype=np.float64)
-        for coordinate in np.ndindex(values.shape):
-            losses = []
-            for sign in (1.0, -1.0):
-                shifted = [(n, v.copy()) for n, v in parameters]
-                shifted[index][1][coordinate] += sign * step
-                run = oracle_forward(
-                    config, shifted, FIXTURE.probe_tokens, FIXTURE.probe_targets, digits=30
-                )
-                losses.append(run.mean_loss())
-            above = values[coordinate] + step
-            below = values[coordinate] - step
-            with precision(30):
-                numerical = float((losses[0] - losses[1]) / (above - below))
-            exact = float(analytic[coordinate])
-            scale = max(1.0, abs(exact), abs(numerical))
-            error = abs(exact / scale - numerical / scale)
-            check.check(
-                error <= bound,
-                f"gradient of {name}{list(coordinate)}",
-                f"{exact!r} (scaled error {error:.2e})",
-                f"{numerical!r} within {bound}",
-            )
-            checked += 1
-    check.check(checked == 24, "coordinates checked", checked, 24)
+    with precision(30):
+        checks = central_difference_checks(
+            parameters,
+            gradients,
+            lambda shifted: oracle_forward(config, shifted, tokens, targets, digits=30).mean_loss(),
+        )
+    for coordinate in checks:
+        check.check(
+            coordinate.passed,
+            f"gradient of {coordinate.name}{list(coordinate.index)}",
+            f"{coordinate.analytic!r} (scaled error {coordinate.error:.2e})",
+            f"{coordinate.numerical!r} within {FIXTURE.gradient_tolerance}",
+        )
+    check.check(len(checks) == 24, "coordinates checked", len(checks), 24)

@@ -1,6 +1,6 @@
 """``decoder-conformance bench``: forward + backward of the reference against PyTorch float64.
 
-Every measurement runs in a fresh process (``conformance.bench_worker``) with the same thread
+Every measurement runs in a fresh process (``conformance.tools.bench_worker``) with the same thread
 count for the reference (its own threads and numpy's BLAS) and for torch; the two backends
 alternate, and each figure is the median of all timed steps. The machine's own float64
 matrix-multiply rate is measured in the same run, so achieved GFLOP/s can be read against it.
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from typing import Any
 
-from impl.parallel import THREAD_VARIABLES
+from conformance.runner import thread_environment
 from spec.config import FIXTURE, DecoderConfig
 
 __all__ = [
@@ -90,9 +90,7 @@ class BenchResult:
 
 
 def _environment(threads: int, tuned_allocator: bool) -> dict[str, str]:
-    environment = dict(os.environ)
-    for variable in THREAD_VARIABLES:
-        environment[variable] = str(threads)
+    environment = {**os.environ, **thread_environment(threads)}
     if tuned_allocator:
         # Keep freed memory for reuse instead of returning it to the kernel (glibc): fewer
         # page faults for numpy's many large temporaries. Applied to both backends alike.
@@ -102,7 +100,7 @@ def _environment(threads: int, tuned_allocator: bool) -> dict[str, str]:
 
 
 def _worker(arguments: list[str], environment: dict[str, str]) -> dict[str, Any]:
-    command = [sys.executable, "-m", "conformance.bench_worker", *arguments]
+    command = [sys.executable, "-m", "conformance.tools.bench_worker", *arguments]
     result = subprocess.run(
         command, capture_output=True, text=True, env=environment, check=False, timeout=3600
     )
@@ -136,7 +134,8 @@ def _measure(
             measured[backend].seconds.extend(answer["seconds"])
             if breakdown:
                 measured[backend].instrumented_seconds.append(answer["instrumented_seconds"])
-                measured[backend].product_seconds.append(answer["product_seconds"])
+                if answer["product_seconds"] is not None:  # None: products too small to time
+                    measured[backend].product_seconds.append(answer["product_seconds"])
             peak = answer.get("peak_mib")
             if peak is not None:
                 previous = measured[backend].peak_mib

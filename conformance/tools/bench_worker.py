@@ -77,34 +77,21 @@ def _torch_step(config: DecoderConfig, tokens: Any, targets: Any, threads: int) 
     return step
 
 
-def _reference_breakdown(step: Callable[[], None], repeats: int) -> tuple[float, float]:
-    """Mean seconds per step, and of those in the linear-layer products, timed around the one
-    function every 2-D weight product of the reference goes through."""
-    from impl import ops
+def _reference_breakdown(step: Callable[[], None], repeats: int) -> tuple[float, float | None]:
+    """Mean seconds per step, and of those in the weight-matrix products, as the reference's
+    fast path times them (:func:`impl.kernels.timed_weight_products`); None where the
+    products were too small to leave the plain rules, which are not timed."""
+    from impl.kernels import timed_weight_products
 
-    product_seconds = 0.0
-    unwrapped = ops._matrix_products
-
-    def timed(pairs: list[tuple[Any, Any]]) -> list[Any]:
-        nonlocal product_seconds
-        started = time.perf_counter()
-        try:
-            return unwrapped(pairs)
-        finally:
-            product_seconds += time.perf_counter() - started
-
-    ops._matrix_products = timed
-    try:
+    with timed_weight_products() as clock:
         started = time.perf_counter()
         for _ in range(repeats):
             step()
         elapsed = time.perf_counter() - started
-    finally:
-        ops._matrix_products = unwrapped
-    return elapsed / repeats, product_seconds / repeats
+    return elapsed / repeats, clock.seconds / repeats if clock.calls else None
 
 
-def _torch_breakdown(step: Callable[[], None], repeats: int) -> tuple[float, float]:
+def _torch_breakdown(step: Callable[[], None], repeats: int) -> tuple[float, float | None]:
     """Mean seconds per step, and of those in ``aten::mm`` (every linear-layer and head product;
     attention's batched products are ``aten::bmm``, which the reference counts as the rest too)."""
     from torch.profiler import ProfilerActivity, profile
@@ -135,7 +122,7 @@ def _matmul_rate(threads: int, size: int = 1024, repeats: int = 5) -> float:
 
 def main() -> None:
     """Parse the job, run it, print one JSON line."""
-    parser = argparse.ArgumentParser(prog="python -m conformance.bench_worker")
+    parser = argparse.ArgumentParser(prog="python -m conformance.tools.bench_worker")
     parser.add_argument("--backend", choices=("reference", "torch", "matmul"), required=True)
     parser.add_argument("--config", type=json.loads, default=None)
     parser.add_argument("--batch", type=int, default=1)

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from conformance.mutants import CONTROLS, MUTANTS, Mutant
-from impl.parallel import THREAD_VARIABLES
+from conformance.report import Report
+from conformance.runner import run_suite, thread_environment
+from conformance.tools.mutants import CONTROLS, MUTANTS, Mutant
 from spec.rules import rule
 
 __all__ = ["MutantResult", "render_matrix", "run_catalogue"]
@@ -40,34 +35,19 @@ class MutantResult:
         return self.verdict == "passes"
 
 
-@dataclass
-class _Run:
-    status: int
-    rules: list[dict[str, Any]]
-    output: str
-    seconds: float
-
-    def failed(self) -> list[dict[str, Any]]:
-        return [r for r in self.rules if r.get("status") == "failed"]
-
-
-def _run_one(adapter: str, backend_command: str | None, extra: list[str]) -> _Run:
-    with tempfile.TemporaryDirectory(prefix="decoder-mutant-") as scratch:
-        report = Path(scratch) / "report.json"
-        command = [sys.executable, "-m", "conformance.cli", "run", "--profile", "ci"]
-        command += ["--adapter", adapter, "--json", str(report), *extra]
-        if backend_command:
-            command += ["--backend-command", backend_command.format(python=sys.executable)]
-        environment = {**os.environ, "DECODER_CONFORMANCE_NO_SHRINK": "1"}
-        for variable in THREAD_VARIABLES:
-            environment.setdefault(variable, "1")  # several suites share the cores
-        started = time.perf_counter()
-        result = subprocess.run(
-            command, capture_output=True, text=True, env=environment, check=False, timeout=900
-        )
-        elapsed = time.perf_counter() - started
-        rules = json.loads(report.read_text())["rules"] if report.is_file() else []
-        return _Run(result.returncode, rules, (result.stdout + result.stderr)[-2000:], elapsed)
+def _run_one(adapter: str, backend_command: str | None) -> tuple[Report, float]:
+    started = time.perf_counter()
+    report = run_suite(
+        adapter,
+        profile="ci",
+        backend_command=None
+        if backend_command is None
+        else backend_command.format(python=sys.executable),
+        shrink=False,
+        environment=thread_environment(1),  # several suites share the cores
+        timeout=900,
+    )
+    return report, time.perf_counter() - started
 
 
 def _judge_mutant(mutant: Mutant) -> MutantResult:
@@ -76,29 +56,28 @@ def _judge_mutant(mutant: Mutant) -> MutantResult:
     Rules run in registry order, so when no related rule fails the first failure is named
     and the mutant is marked as killed for the wrong reason.
     """
-    run = _run_one(mutant.adapter, None, [])
-    failed = run.failed()
-    if run.status == 1 and failed:
-        related = [r for r in failed if rule(str(r["id"])).category in mutant.related]
+    report, seconds = _run_one(mutant.adapter, None)
+    failed = report.failed()
+    if report.status == 1 and failed:
+        related = [r for r in failed if rule(r.id).category in mutant.related]
         killer = (related or failed)[0]
-        lines = str(killer.get("message", "")).strip().splitlines()
+        lines = killer.message.strip().splitlines()
         detail = f"{len(failed)} rules failed; {lines[0] if lines else ''}"
         return MutantResult(
-            mutant.name, "killed", "killed", str(killer["id"]), run.seconds, detail, bool(related)
+            mutant.name, "killed", "killed", killer.id, seconds, detail, bool(related)
         )
-    verdict = "survived" if run.status == 0 else "error"
-    detail = run.output if verdict == "error" else ""
-    return MutantResult(mutant.name, "killed", verdict, "-", run.seconds, detail)
+    verdict = "survived" if report.status == 0 else "error"
+    detail = report.output[-2000:] if verdict == "error" else ""
+    return MutantResult(mutant.name, "killed", verdict, "-", seconds, detail)
 
 
 def _judge_control(name: str, adapter: str, command: str | None) -> MutantResult:
-    run = _run_one(adapter, command, [])
-    failed = [str(r["id"]) for r in run.failed()]
-    verdict = "passes" if run.status == 0 else ("killed" if failed else "error")
+    report, seconds = _run_one(adapter, command)
+    failed = [r.id for r in report.failed()]
+    verdict = "passes" if report.status == 0 else ("killed" if failed else "error")
     first = failed[0] if failed else "-"
-    return MutantResult(
-        name, "passes", verdict, first, run.seconds, run.output if run.status else ""
-    )
+    detail = report.output[-2000:] if report.status else ""
+    return MutantResult(name, "passes", verdict, first, seconds, detail)
 
 
 def run_catalogue(

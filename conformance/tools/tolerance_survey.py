@@ -8,18 +8,19 @@ to a power of ten.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+from hypothesis import strategies as st
 
 from conformance.adapter import Backend, Capability
+from spec import strategies
 from spec.config import FIXTURE, DecoderConfig
+from spec.gradcheck import central_difference_checks, seed_probe
 from spec.oracle import oracle_forward, to_float64
 from spec.oracle_gradients import oracle_gradients
-from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME
 from spec.recipe import initial_parameters
 from spec.tolerances import Tolerance, scaled_error
 
@@ -30,6 +31,7 @@ __all__ = [
     "account_for_seed_check",
     "render_survey",
     "survey",
+    "survey_cases",
 ]
 
 SAFETY_MARGIN = 100.0
@@ -37,30 +39,30 @@ STAGE_CLASSES = ("embedding", "blocks", "final-norm", "logits", "loss", "gradien
 
 
 IdArray = npt.NDArray[np.int64]
+Case = tuple[DecoderConfig, int, IdArray, IdArray]
 
 
-def _generated_configs(count: int, seed: int) -> list[tuple[DecoderConfig, int, IdArray, IdArray]]:
-    """Valid configurations by construction, with a seed, tokens and targets for each."""
-    rng = np.random.default_rng(seed)
-    cases = []
-    for _ in range(count):
-        heads = int(rng.integers(1, 5))
-        head_width = 2 * int(rng.integers(1, 5))
-        config = DecoderConfig(
-            vocabulary_size=int(rng.integers(1, 13)),
-            model_width=heads * head_width,
-            heads=heads,
-            feed_forward_width=int(rng.integers(1, 17)),
-            layers=int(rng.integers(0, 4)),
-            context=int(rng.integers(1, 9)),
-            rope_base=float(rng.choice([10000.0, 100.0, 10.0])),
-            rms_epsilon=float(rng.choice([1e-6, 1e-5, 0.0])),
+def survey_cases() -> st.SearchStrategy[Case]:
+    """Configurations a little beyond the suite's (depth 0-3, 1-4 heads, head widths 2-8,
+    contexts up to 8, RoPE bases down to 10), each with a seed, tokens and targets."""
+
+    @st.composite
+    def build(draw: st.DrawFn) -> Case:
+        config = draw(
+            strategies.configs(
+                max_vocabulary=12,
+                max_heads=4,
+                max_head_width=8,
+                max_feed_forward=16,
+                max_layers=3,
+                max_context=8,
+                rope_bases=(10000.0, 100.0, 10.0),
+            )
         )
-        batch, length = int(rng.integers(1, 4)), int(rng.integers(1, config.context + 1))
-        tokens = rng.integers(0, config.vocabulary_size, size=(batch, length))
-        targets = rng.integers(0, config.vocabulary_size, size=(batch, length))
-        cases.append((config, int(rng.integers(0, 2**63)), tokens, targets))
-    return cases
+        tokens, targets = draw(strategies.runs(config))
+        return config, draw(st.integers(0, 2**64 - 1)), tokens, targets
+
+    return build()
 
 
 @dataclass
@@ -94,7 +96,9 @@ def _power_above(errors: list[float]) -> float | None:
 def survey(backend: Backend, *, configs: int = 100, seed: int = 0) -> Survey:
     """Errors of ``backend`` against the oracle over ``configs`` generated configurations."""
     measured = Survey(backend.name, str(backend.precision))
-    for config, parameter_seed, tokens, targets in _generated_configs(configs, seed):
+    for config, parameter_seed, tokens, targets in strategies.sample(
+        survey_cases(), configs, seed_value=seed
+    ):
         parameters = initial_parameters(config, parameter_seed)
         exact = oracle_forward(config, parameters, tokens, targets, digits=40)
         model = backend.build(config, parameters)
@@ -135,48 +139,32 @@ class SeedCheckAccount:
 
 def account_for_seed_check(backend: Backend) -> SeedCheckAccount:
     """The seed's probe: its own float64 central differences against the oracle gradient."""
-    config = dataclasses.replace(FIXTURE.config, layers=0)
-    table = np.asarray(FIXTURE.probe_table, dtype=np.float64).reshape(
-        config.vocabulary_size, config.model_width
-    )
-    gain = np.asarray(FIXTURE.probe_gain, dtype=np.float64)
-    parameters = [(EMBEDDING_NAME, table), (FINAL_NORM_NAME, gain)]
-    exact = oracle_gradients(
-        config, parameters, FIXTURE.probe_tokens, FIXTURE.probe_targets
-    ).gradients
+    config, parameters = seed_probe()
+    tokens, targets = FIXTURE.probe_tokens, FIXTURE.probe_targets
+    exact = oracle_gradients(config, parameters, tokens, targets).gradients
     model = backend.build(config, parameters)
-    analytic = backend.loss(model, FIXTURE.probe_tokens, FIXTURE.probe_targets).gradients or {}
-    step, bound = FIXTURE.gradient_step, FIXTURE.gradient_tolerance
-    numerical_errors: list[float] = []
-    analytic_errors: list[float] = []
-    slack: list[float] = []
-    for index, (name, values) in enumerate(parameters):
-        for coordinate in np.ndindex(values.shape):
-            losses = []
-            for sign in (1.0, -1.0):
-                shifted = [(n, v.copy()) for n, v in parameters]
-                shifted[index][1][coordinate] += sign * step
-                losses.append(
-                    backend.loss(
-                        backend.build(config, shifted), FIXTURE.probe_tokens, FIXTURE.probe_targets
-                    ).loss
-                )
-            spacing = (values[coordinate] + step) - (values[coordinate] - step)
-            numerical = float((losses[0] - losses[1]) / spacing)
-            truth = float(exact[name][coordinate])
-            numerical_errors.append(abs(numerical - truth))
-            analytic_errors.append(abs(float(analytic[name][coordinate]) - truth))
-            # An analytic error d passes while |a + d - n| / s <= bound, s = max(1, |a|, |n|):
-            # the smallest d that fails is about bound * s minus the numerical error already there.
-            scale = max(1.0, abs(truth), abs(numerical))
-            slack.append(bound * scale - abs(numerical - truth))
+    analytic = backend.loss(model, tokens, targets).gradients or {}
+    checks = central_difference_checks(
+        parameters,
+        analytic,
+        lambda shifted: backend.loss(backend.build(config, shifted), tokens, targets).loss,
+    )
+    numerical_errors, analytic_errors, slack = [], [], []
+    for check in checks:
+        truth = float(exact[check.name][check.index])
+        numerical_errors.append(abs(check.numerical - truth))
+        analytic_errors.append(abs(check.analytic - truth))
+        # An analytic error d passes while |a + d - n| / s <= bound, s = max(1, |a|, |n|):
+        # the smallest d that fails is about bound * s minus the numerical error already there.
+        scale = max(1.0, abs(truth), abs(check.numerical))
+        slack.append(FIXTURE.gradient_tolerance * scale - abs(check.numerical - truth))
     return SeedCheckAccount(
-        coordinates=len(numerical_errors),
+        coordinates=len(checks),
         numerical_error_max=max(numerical_errors),
         numerical_error_median=float(np.median(numerical_errors)),
         analytic_error_max=max(analytic_errors),
         smallest_caught=min(slack),
-        tolerance=bound,
+        tolerance=FIXTURE.gradient_tolerance,
     )
 
 

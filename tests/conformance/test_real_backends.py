@@ -6,19 +6,14 @@ friends, see ``.ci/run``); these are the quick checks that belong to the project
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from conformance.runner import run_suite
 from spec.config import FIXTURE, DecoderConfig
 from spec.published import PUBLISHED_LOGITS
 from spec.recipe import initial_parameters
 
-ROOT = Path(__file__).resolve().parent.parent
 torch = pytest.importorskip("torch")
 
 
@@ -64,21 +59,15 @@ def test_rotate_half_permutation_pairs_interleaved_features() -> None:
     assert rotate_half_permutation(8, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
 
 
-def test_transformers_in_float64_is_not_float64_accurate(tmp_path: Path) -> None:
+def test_transformers_in_float64_is_not_float64_accurate() -> None:
     """Loaded in float64, Llama's float32 internals show at the first block, about 1e-8 off."""
     pytest.importorskip("transformers")
-    report = tmp_path / "report.json"
-    command = [
-        sys.executable, "-m", "conformance.cli", "run", "--profile", "ci", "--json", str(report),
-        "--adapter", "hf-llama-claims-float64", "--pytest-args", "-k 'golden and seed-fixture'",
-    ]  # fmt: skip
-    result = subprocess.run(
-        command, capture_output=True, text=True, cwd=ROOT, timeout=600, check=False
+    report = run_suite(
+        "hf-llama-claims-float64", profile="ci", pytest_args=["-k", "golden and seed-fixture"]
     )
-    assert result.returncode == 1, result.stdout[-2000:]
-    rules = {rule["id"]: rule for rule in json.loads(report.read_text())["rules"]}
-    message = rules["GOLDEN-VALUES"]["message"]
-    assert rules["GOLDEN-VALUES"]["status"] == "failed"
+    assert report.status == 1, report.output[-2000:]
+    message = report.rule("GOLDEN-VALUES").message
+    assert report.rule("GOLDEN-VALUES").status == "failed"
     assert "seed-fixture.json: stage block-0[" in message and "within 1e-12" in message
     error = float(message.split("scaled error ")[1].split(";")[0])
     assert 1e-9 < error < 1e-6, "float32 internals, not a mistake: errors near float32 epsilon"

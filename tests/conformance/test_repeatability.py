@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from conformance.runner import run_suite
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*arguments: str) -> subprocess.CompletedProcess[str]:
@@ -19,19 +20,13 @@ def _run(*arguments: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _verdicts(report: Path) -> dict[str, tuple[str, int, str]]:
-    rules = json.loads(report.read_text())["rules"]
-    return {rule["id"]: (rule["status"], rule["tests"], rule["message"]) for rule in rules}
-
-
 @pytest.mark.slow
-def test_ci_profile_gives_identical_verdicts_three_times_and_in_parallel(tmp_path: Path) -> None:
+def test_ci_profile_gives_identical_verdicts_three_times_and_in_parallel() -> None:
     verdicts = []
-    for run, extra in enumerate([[], [], [], ["--workers", "2"]]):
-        report = tmp_path / f"run{run}.json"
-        result = _run("run", "--profile", "ci", "--json", str(report), *extra)
-        assert result.returncode == 0, result.stdout[-2000:]
-        verdicts.append(_verdicts(report))
+    for workers in (0, 0, 0, 2):
+        report = run_suite(profile="ci", workers=workers)
+        assert report.status == 0, report.output[-2000:]
+        verdicts.append({rule.id: (rule.status, rule.tests, rule.message) for rule in report.rules})
     assert all(v == verdicts[0] for v in verdicts[1:])
 
 
@@ -50,6 +45,6 @@ def test_a_refused_run_leaves_an_existing_report_untouched(tmp_path: Path) -> No
 
 def test_a_refused_regeneration_leaves_the_goldens_untouched(tmp_path: Path) -> None:
     before = {p.name: p.read_bytes() for p in (ROOT / "golden" / "cases").glob("*.json")}
-    result = _run("golden", "regen", "--adapter", "conformance.mutants.numerics:RopeOnValues")
+    result = _run("golden", "regen", "--adapter", "conformance.tools.mutants.numerics:RopeOnValues")
     assert result.returncode == 2 and "only the reference backend may regenerate" in result.stderr
     assert {p.name: p.read_bytes() for p in (ROOT / "golden" / "cases").glob("*.json")} == before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pkgutil
 import re
 import subprocess
@@ -14,24 +15,24 @@ from pathlib import Path
 import pytest
 
 import conformance
+from conformance.report import Report
+from conformance.runner import run_suite
 from spec.rules import RULES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_SERVER = f"{sys.executable} -m conformance.adapters.reference_server"
 
 
-def run_suite(
-    *arguments: str, cwd: Path | None = None, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """``decoder-conformance run`` in a fresh interpreter (profile ci unless overridden)."""
+def command_line(*arguments: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``decoder-conformance run --profile ci ...`` in a fresh interpreter."""
     command = [sys.executable, "-m", "conformance.cli", "run", "--profile", "ci", *arguments]
     return subprocess.run(
-        command, capture_output=True, text=True, cwd=cwd or ROOT, env=env, timeout=600, check=False
+        command, capture_output=True, text=True, cwd=cwd or ROOT, timeout=600, check=False
     )
 
 
-def rule_statuses(report: Path) -> dict[str, str]:
-    return {rule["id"]: rule["status"] for rule in json.loads(report.read_text())["rules"]}
+def statuses(report: Report) -> dict[str, str]:
+    return {rule.id: rule.status for rule in report.rules}
 
 
 def conformance_tests() -> dict[str, list[str]]:
@@ -63,16 +64,16 @@ def test_every_rule_has_a_test_and_every_test_one_rule() -> None:
 
 @pytest.fixture(scope="module")
 def reference_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    report = tmp_path_factory.mktemp("reference") / "report.json"
-    result = run_suite("--json", str(report))
+    """The reference through the command line, profile ci, with its JSON report."""
+    path = tmp_path_factory.mktemp("reference") / "report.json"
+    result = command_line("--json", str(path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return report
+    return path
 
 
 def test_reference_passes_every_rule(reference_report: Path) -> None:
-    statuses = rule_statuses(reference_report)
-    assert set(statuses.values()) == {"passed"}, statuses
     document = json.loads(reference_report.read_text())
+    assert {rule["status"] for rule in document["rules"]} == {"passed"}
     assert document["schema"] == "decoder-conformance-report" and document["schema_version"] == 1
     assert document["backend"] == "reference" and document["profile"] == "ci"
     assert document["summary"]["passed"] == len(RULES)
@@ -81,20 +82,17 @@ def test_reference_passes_every_rule(reference_report: Path) -> None:
     )
 
 
-def test_reference_through_the_subprocess_protocol(tmp_path: Path) -> None:
-    report = tmp_path / "report.json"
-    result = run_suite(
-        "--adapter", "subprocess", "--backend-command", REFERENCE_SERVER, "--json", str(report)
-    )
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert set(rule_statuses(report).values()) == {"passed"}
+def test_reference_through_the_subprocess_protocol() -> None:
+    report = run_suite("subprocess", profile="ci", backend_command=REFERENCE_SERVER)
+    assert report.status == 0, report.output[-3000:]
+    assert set(statuses(report).values()) == {"passed"}
 
 
-def test_two_workers_give_the_same_verdicts(reference_report: Path, tmp_path: Path) -> None:
-    report = tmp_path / "report.json"
-    result = run_suite("--workers", "2", "--json", str(report))
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert rule_statuses(report) == rule_statuses(reference_report)
+def test_two_workers_give_the_same_verdicts(reference_report: Path) -> None:
+    report = run_suite(profile="ci", workers=2)
+    assert report.status == 0, report.output[-3000:]
+    one_process = json.loads(reference_report.read_text())["rules"]
+    assert statuses(report) == {rule["id"]: rule["status"] for rule in one_process}
 
 
 def readme_example() -> str:
@@ -105,26 +103,22 @@ def readme_example() -> str:
 
 
 def test_readme_example_adapter_passes_what_it_declares(tmp_path: Path) -> None:
+    """Saved as my_backend.py and named from its folder, as the README says."""
     (tmp_path / "my_backend.py").write_text(readme_example())
-    report = tmp_path / "report.json"
-    env = {**_environment(), "PYTHONPATH": f"{tmp_path}:{ROOT}"}
-    result = run_suite(
-        "--adapter", "my_backend:MyBackend", "--json", str(report), cwd=tmp_path, env=env
+    report = run_suite(
+        "my_backend:MyBackend",
+        profile="ci",
+        cwd=tmp_path,
+        environment={
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        },
     )
-    assert result.returncode == 0, result.stdout[-3000:]
-    document = json.loads(report.read_text())
-    statuses = {rule["id"]: rule for rule in document["rules"]}
-    assert statuses["VALUE-STAGES"]["status"] == "passed"
-    assert statuses["VALUE-SEED-FIXTURE"]["status"] == "passed"
-    skipped = statuses["GRAD-FINITE"]
-    assert skipped["status"] == "skipped" and "needs capability 'gradients'" in skipped["message"]
-    assert document["summary"]["failed"] == 0
-
-
-def _environment() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)
+    assert report.status == 0, report.output[-3000:]
+    assert report.rule("VALUE-STAGES").status == "passed"
+    assert report.rule("VALUE-SEED-FIXTURE").status == "passed"
+    skipped = report.rule("GRAD-FINITE")
+    assert skipped.status == "skipped" and "needs capability 'gradients'" in skipped.message
+    assert report.summary["failed"] == 0
 
 
 MUTANT = '''
@@ -146,16 +140,14 @@ class LeakyMask(ReferenceBackend):
 
 
 def test_a_broken_backend_fails_with_rule_message_and_reproduction(tmp_path: Path) -> None:
+    """Through the command line: its exit status, its printout, its Markdown report."""
     (tmp_path / "leaky.py").write_text(MUTANT)
-    env = {**_environment(), "PYTHONPATH": f"{tmp_path}:{ROOT}"}
-    report, markdown = tmp_path / "report.json", tmp_path / "report.md"
-    result = run_suite(
-        "--adapter", "leaky:LeakyMask", "--json", str(report), "--markdown", str(markdown),
-        "--pytest-args", "-k causal", cwd=tmp_path, env=env,
+    markdown = tmp_path / "report.md"
+    result = command_line(
+        "--adapter", "leaky:LeakyMask", "--markdown", str(markdown),
+        "--pytest-args", "-k causal", cwd=tmp_path,
     )  # fmt: skip
-    assert result.returncode == 1
-    statuses = rule_statuses(report)
-    assert statuses["CAUSAL-PREFIX-BITWISE"] == "failed"
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[CAUSAL-PREFIX-BITWISE] logit row 0 after changing token" in result.stdout
     assert "but should be bitwise unchanged" in result.stdout
     assert (
@@ -163,26 +155,32 @@ def test_a_broken_backend_fails_with_rule_message_and_reproduction(tmp_path: Pat
         and "backend = load_backend('leaky:LeakyMask')" in result.stdout
     )
     assert "| `CAUSAL-PREFIX-BITWISE` | causality | failed |" in markdown.read_text()
-    assert statuses["VALUE-STAGES"] == "untested"
 
 
-def test_the_old_loss_order_fails_only_err_loss_order_naming_the_seeds_order(
-    tmp_path: Path,
-) -> None:
-    """Token IDs checked before the targets (RECIPE.md's old order) is the seed's one departure."""
-    report = tmp_path / "report.json"
-    result = run_suite(
-        "--adapter", "conformance.mutants.inputs:TokenIdsCheckedBeforeTargets",
-        "--json", str(report), "--pytest-args", "-k errors",
-    )  # fmt: skip
-    assert result.returncode == 1
-    statuses = rule_statuses(report)
-    assert [rule for rule, status in statuses.items() if status == "failed"] == ["ERR-LOSS-ORDER"]
-    message = next(
-        rule["message"]
-        for rule in json.loads(report.read_text())["rules"]
-        if rule["id"] == "ERR-LOSS-ORDER"
+def test_a_causality_reproduction_names_the_changed_position_and_tokens() -> None:
+    """The snippet keeps both notes of the case (one used to replace the other)."""
+    report = run_suite(
+        "conformance.tools.mutants.numerics:MaskSeesNextToken",
+        profile="ci",
+        pytest_args=["-k", "causal"],
+        shrink=False,
     )
+    message = report.rule("CAUSAL-PREFIX-BITWISE").message
+    assert report.rule("CAUSAL-PREFIX-BITWISE").status == "failed"
+    assert re.search(r"^    changed_position = \d+$", message, re.M), message
+    assert re.search(r"^    changed_tokens = \[\[", message, re.M), message
+
+
+def test_the_old_loss_order_fails_only_err_loss_order_naming_the_seeds_order() -> None:
+    """Token IDs checked before the targets (RECIPE.md's old order) is the seed's one departure."""
+    report = run_suite(
+        "conformance.tools.mutants.inputs:TokenIdsCheckedBeforeTargets",
+        profile="ci",
+        pytest_args=["-k", "errors"],
+    )
+    assert report.status == 1
+    assert [rule.id for rule in report.failed()] == ["ERR-LOSS-ORDER"]
+    message = report.rule("ERR-LOSS-ORDER").message
     assert message.startswith("[ERR-LOSS-ORDER] refusal kind for a bad token ID with"), message
     assert "the seed's loss order: token dtype and shape" in message
     assert "then target dtype, target count, target IDs, and only then token IDs" in message
@@ -208,22 +206,21 @@ def _live_processes(marker: str) -> list[str]:
         ("garbage", "backend answered 'loss' with not JSON"),
     ],
 )
-def test_backend_faults_fail_only_the_affected_test(
-    tmp_path: Path, mode: str, message: str
-) -> None:
+def test_backend_faults_fail_only_the_affected_test(mode: str, message: str) -> None:
     marker = f"faulty-{uuid.uuid4().hex}"
-    report = tmp_path / "report.json"
-    result = run_suite(
-        "--adapter", "subprocess", "--backend-timeout", "2",
-        "--backend-command", f"{sys.executable} -m tests.faulty_backend {mode} {marker}",
-        "--json", str(report), "--pytest-args", f"-k '{AFFECTED_AND_BYSTANDERS}'",
-    )  # fmt: skip
-    assert result.returncode == 1, result.stdout[-3000:]
-    statuses = rule_statuses(report)
-    assert statuses["TIE-GRADIENT-SUM"] == "failed"
-    assert statuses["SHAPE-LOGITS"] == statuses["CONFIG-VALID-BUILDS"] == "passed"
-    detail = json.loads(report.read_text())["rules"]
-    failure = next(rule for rule in detail if rule["id"] == "TIE-GRADIENT-SUM")["message"]
+    report = run_suite(
+        "subprocess",
+        profile="ci",
+        backend_timeout=2,
+        backend_command=f"{sys.executable} -m tests.conformance.faulty_backend {mode} {marker}",
+        pytest_args=["-k", AFFECTED_AND_BYSTANDERS],
+        cwd=ROOT,
+    )
+    assert report.status == 1, report.output[-3000:]
+    assert report.rule("TIE-GRADIENT-SUM").status == "failed"
+    assert report.rule("SHAPE-LOGITS").status == report.rule("CONFIG-VALID-BUILDS").status
+    assert report.rule("SHAPE-LOGITS").status == "passed"
+    failure = report.rule("TIE-GRADIENT-SUM").message
     assert message in failure
     if mode != "garbage":
         assert (
@@ -244,7 +241,7 @@ def test_backend_faults_fail_only_the_affected_test(
     ],
 )
 def test_unusable_adapters_are_explained(arguments: list[str], message: str) -> None:
-    result = run_suite(*arguments)
+    result = command_line(*arguments)
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
 
@@ -291,8 +288,8 @@ def test_plugin_is_inert_outside_the_suite(pytester: pytest.Pytester) -> None:
     ],
 )
 def test_pytest_arguments_may_start_with_a_dash(given: list[str], pytest_arguments: str) -> None:
-    from conformance.cli import _build_parser, attach_pass_through_values
+    from conformance.cli import attach_pass_through_values, build_parser
 
-    options = _build_parser().parse_args(attach_pass_through_values(["run", *given]))
+    options = build_parser().parse_args(attach_pass_through_values(["run", *given]))
     assert options.pytest_args == pytest_arguments
     assert options.workers == (2 if "-n" in given else 0)

@@ -7,9 +7,10 @@ import subprocess
 import sys
 from importlib.util import find_spec
 
+import numpy as np
 import pytest
 
-from conformance.bench import (
+from conformance.tools.bench import (
     SIZES,
     BenchResult,
     Measurement,
@@ -17,39 +18,42 @@ from conformance.bench import (
     linear_product_flops,
     render_bench,
 )
-from spec.config import FIXTURE, DecoderConfig
+from impl import ops
+from impl.model import DecoderModel
+from impl.tape import Tensor
+from spec.config import DecoderConfig
 
 
-def test_flop_count_of_one_block_and_the_head() -> None:
-    config = DecoderConfig(10, 4, 2, 6, 1, 3)
+def test_flop_counts_match_the_products_a_forward_pass_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counted from the shapes the reference multiplies, not from the formula: every 2-D
+    weight product (projections, tied head) and attention's scores and weighted sums."""
+    config = DecoderConfig(10, 4, 2, 6, 2, 3)
     batch, length = 2, 3
-    rows = batch * length
-    block = 2 * rows * (4 * 16 + 3 * 4 * 6) + 2 * 2 * batch * length * length * 4
-    head = 2 * rows * 4 * 10
-    assert forward_backward_flops(config, batch, length) == 3 * (block + head)
-    projections = 2 * rows * (4 * 16 + 3 * 4 * 6)
-    assert linear_product_flops(config, batch, length) == 3 * (projections + head)
+    weight_products: list[int] = []
+    attention_products: list[int] = []
+    matmul, attention = ops.matmul, ops.causal_attention
 
+    def counting_matmul(a: Tensor, b: Tensor) -> Tensor:
+        if b.value.ndim == 2:
+            weight_products.append(a.value.size * b.shape[1])  # rows x inner x outer
+        return matmul(a, b)
 
-def test_sizes_are_the_issue_s() -> None:
-    medium, batch, length = SIZES["medium"]
-    assert (
-        medium.vocabulary_size,
-        medium.model_width,
-        medium.heads,
-        medium.feed_forward_width,
-        medium.layers,
-    ) == (4096, 256, 8, 688, 4)
-    assert (batch, length) == (4, 128)
-    large, batch, length = SIZES["large"]
-    assert (
-        large.vocabulary_size,
-        large.model_width,
-        large.heads,
-        large.feed_forward_width,
-        large.layers,
-    ) == (32000, 512, 8, 1376, 8)
-    assert (batch, length) == (2, 512)
+    def counting_attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        *leading, tokens, width = query.shape
+        attention_products.append(2 * int(np.prod(leading)) * tokens * tokens * width)
+        return attention(query, key, value)
+
+    monkeypatch.setattr(ops, "matmul", counting_matmul)
+    monkeypatch.setattr(ops, "causal_attention", counting_attention)
+    model = DecoderModel.from_seed(config, 0)
+    model.forward(np.zeros((batch, length), dtype=np.int64))
+    assert len(weight_products) == 7 * config.layers + 1
+    # A multiply-add is two FLOPs; backward costs twice the forward.
+    linear = 3 * 2 * sum(weight_products)
+    assert linear_product_flops(config, batch, length) == linear
+    assert forward_backward_flops(config, batch, length) == linear + 3 * 2 * sum(attention_products)
 
 
 def test_report_shows_ratios_rates_and_growth() -> None:
@@ -89,9 +93,11 @@ def test_breakdown_shows_products_and_the_rest() -> None:
     ],
 )
 def test_worker_splits_a_step_into_products_and_the_rest(backend: str) -> None:
+    """On a model large enough for the reference's fast path, which times its products."""
+    config = DecoderConfig(256, 64, 4, 96, 1, 128)
     job = [
-        sys.executable, "-m", "conformance.bench_worker", "--backend", backend,
-        "--config", json.dumps(FIXTURE.config.as_dict()), "--batch", "1", "--tokens", "3",
+        sys.executable, "-m", "conformance.tools.bench_worker", "--backend", backend,
+        "--config", json.dumps(config.as_dict()), "--batch", "2", "--tokens", "128",
         "--repeats", "2", "--breakdown",
     ]  # fmt: skip
     finished = subprocess.run(job, capture_output=True, text=True, check=True, timeout=300)

@@ -10,22 +10,22 @@ import numpy.typing as npt
 
 from conformance.adapter import LossOutput, Parameters, Refusal
 from conformance.adapters.reference import refusals
-from conformance.mutants.base import MutantBackend
+from conformance.tools.mutants.base import MutantBackend, mutant
 from impl.errors import ContextLengthExceeded, InvalidRmsEpsilon
 from impl.layers import NamedParameter
 from impl.model import DecoderModel
 from impl.tape import Tensor
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
+from spec.rules import RuleCategory
 
 
+@mutant("ERR-CONFIG-ORDER")
 class DivisibilityCheckedFirst(MutantBackend):
-    """Checks "width divisible by heads" before every other configuration rule.
+    """The width-divisible-by-heads rule checked before every other configuration rule.
 
-    Rule: ERR-CONFIG-ORDER (a zero vocabulary together with 6 % 4 reports the wrong kind).
+    A zero vocabulary together with 6 % 4 reports the wrong kind.
     """
-
-    name = "divisibility-checked-first"
 
     def build(self, config: DecoderConfig, parameters: Parameters) -> Any:
         sizes_are_ints = all(
@@ -49,13 +49,10 @@ class _SkipsValidationAtDepthZero(DecoderModel):
         return super().from_parameters(config, parameters)
 
 
+@mutant("ERR-CONFIG-DEPTH0")
 class DepthZeroUnvalidated(MutantBackend):
-    """A zero-block model skips the head, feed-forward, context, RoPE and epsilon rules.
+    """A zero-block configuration is not validated (heads, feed-forward, context, RoPE, epsilon)."""
 
-    Rule: ERR-CONFIG-DEPTH0.
-    """
-
-    name = "depth-zero-unvalidated"
     model_class = _SkipsValidationAtDepthZero
 
 
@@ -71,20 +68,16 @@ class _NegativeEpsilonModel(DecoderModel):
             raise
 
 
+@mutant("ERR-CONFIG-KIND")
 class NegativeEpsilonAccepted(MutantBackend):
-    """A negative RMSNorm epsilon is accepted (its magnitude used). Rule: ERR-CONFIG-KIND."""
+    """A negative RMSNorm epsilon is accepted (its magnitude used)."""
 
-    name = "negative-epsilon-accepted"
     model_class = _NegativeEpsilonModel
 
 
+@mutant("ERR-CONTEXT-LIMIT", RuleCategory.CONFIGURATION)
 class ContextOffByOne(MutantBackend):
-    """Refuses a sequence exactly as long as the context (``>=`` for ``>``).
-
-    Rule: ERR-CONTEXT-LIMIT.
-    """
-
-    name = "context-off-by-one"
+    """A sequence as long as the context is refused (>= for >)."""
 
     def forward(
         self, model: Any, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
@@ -106,10 +99,10 @@ class _WrappingLookupModel(DecoderModel):
         return super().validate_tokens(tokens, shape)
 
 
+@mutant("ERR-TOKEN-ID")
 class TokenIdsWrapAround(MutantBackend):
-    """Token IDs outside [0, V) wrap around instead of being refused. Rule: ERR-TOKEN-ID."""
+    """Out-of-vocabulary token IDs wrap around instead of being refused."""
 
-    name = "token-ids-wrap-around"
     model_class = _WrappingLookupModel
 
 
@@ -121,21 +114,20 @@ class _UncheckedTargetsModel(DecoderModel):
         return super().validate_targets(targets, batch, length)
 
 
+@mutant("ERR-TARGET-ID")
 class TargetIdsClipped(MutantBackend):
-    """Out-of-range target IDs are clipped into range. Rule: ERR-TARGET-ID."""
+    """Out-of-vocabulary target IDs are clipped into range."""
 
-    name = "target-ids-clipped"
     model_class = _UncheckedTargetsModel
 
 
+@mutant("ERR-LOSS-ORDER")
 class TokenIdsCheckedBeforeTargets(MutantBackend):
-    """The loss checks token IDs before its targets (the order RECIPE.md once stated; the
-    seed checks the targets first and looks the IDs up only in its forward pass).
+    """The loss checks token IDs before its targets.
 
-    Rule: ERR-LOSS-ORDER (a bad token ID with too few targets reports the token ID).
+    The order RECIPE.md once stated; the seed checks the targets first and looks the IDs up
+    only in its forward pass, so a bad token ID with too few targets is a target-count error.
     """
-
-    name = "token-ids-checked-before-targets"
 
     def loss(
         self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool

@@ -8,13 +8,12 @@ import numpy as np
 import numpy.typing as npt
 
 from conformance.adapter import FloatArray, ForwardOutput, LossOutput, Parameters
-from conformance.mutants.base import MutantBackend
+from conformance.tools.mutants.base import MutantBackend, mutant
 
 
+@mutant("SHAPE-LOGITS")
 class LogitsVocabularyFirst(MutantBackend):
-    """Returns logits as ``[B, V, T]``. Rule: SHAPE-LOGITS."""
-
-    name = "logits-vocabulary-first"
+    """Logits laid out [B, V, T]."""
 
     def forward(
         self, model: Any, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
@@ -23,10 +22,9 @@ class LogitsVocabularyFirst(MutantBackend):
         return ForwardOutput(np.swapaxes(output.logits, 1, 2).copy(), output.stages)
 
 
+@mutant("SHAPE-BLOCKS")
 class LastBlockStageMissing(MutantBackend):
-    """Reports every stage but the last block's. Rule: SHAPE-BLOCKS."""
-
-    name = "last-block-stage-missing"
+    """The last block's stage is not reported."""
 
     def forward(
         self, model: Any, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
@@ -38,10 +36,9 @@ class LastBlockStageMissing(MutantBackend):
         return ForwardOutput(output.logits, stages)
 
 
+@mutant("PARAM-NAMES")
 class QueryKeyNamesSwapped(MutantBackend):
-    """Lists the key matrix under the query's name and the other way round. Rule: PARAM-NAMES."""
-
-    name = "query-key-names-swapped"
+    """Query and key matrices listed under each other's names."""
 
     def parameters(self, model: Any) -> list[tuple[str, FloatArray]]:
         listed = super().parameters(model)
@@ -52,13 +49,12 @@ class QueryKeyNamesSwapped(MutantBackend):
         return listed
 
 
+@mutant("PARAM-COUNT")
 class SeparateHeadListed(MutantBackend):
-    """Keeps an ``lm_head.weight`` beside the table (an untied head that starts as a copy).
+    """An untied lm_head that starts as a copy of the table, listed beside it.
 
-    Rules: PARAM-COUNT, PARAM-NO-HEAD.
+    Caught by PARAM-COUNT (Vd scalars too many) and PARAM-NO-HEAD.
     """
-
-    name = "separate-head-listed"
 
     def parameters(self, model: Any) -> list[tuple[str, FloatArray]]:
         listed = super().parameters(model)
@@ -68,14 +64,12 @@ class SeparateHeadListed(MutantBackend):
         return super().build(config, [(n, v) for n, v in parameters if n != "lm_head.weight"])
 
 
+@mutant("TIE-OUTPUT-ROLE")
 class HiddenCopiedHead(MutantBackend):
-    """The head is a private copy of the table taken at build time: equal values, no tie.
+    """A private copy of the table serves as the head: equal values, no tie.
 
     Forward results are exact; the table never receives the output-role gradient.
-    Rule: TIE-OUTPUT-ROLE.
     """
-
-    name = "hidden-copied-head"
 
     def loss(
         self,

@@ -9,13 +9,14 @@ import numpy.typing as npt
 
 from conformance.adapter import LossOutput
 from conformance.adapters.reference import dense_gradients, refusals
-from conformance.mutants.base import MutantBackend, model_with
-from impl import ops
-from impl.layers import CausalSelfAttention, RMSNorm, SwiGLU
+from conformance.tools.mutants import composed as c
+from conformance.tools.mutants.base import MutantBackend, model_with, mutant
+from impl.layers import RMSNorm, SwiGLU
 from impl.model import DecoderModel
 from impl.tape import Array, Tensor
 from spec.config import DecoderConfig
 from spec.recipe import SplitMix64
+from spec.rules import RuleCategory
 
 
 def _scaled(output: LossOutput, factor: float) -> LossOutput:
@@ -24,13 +25,9 @@ def _scaled(output: LossOutput, factor: float) -> LossOutput:
     return LossOutput(output.loss * factor, gradients)
 
 
+@mutant("LOSS-MEAN-NLL")
 class LossSummedNotAveraged(MutantBackend):
-    """The loss sums over positions instead of averaging (gradients scale too).
-
-    Rule: LOSS-MEAN-NLL.
-    """
-
-    name = "loss-summed-not-averaged"
+    """The loss sums over positions instead of averaging (its gradients scale too)."""
 
     def loss(
         self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
@@ -39,10 +36,9 @@ class LossSummedNotAveraged(MutantBackend):
         return _scaled(output, float(np.asarray(targets).size))
 
 
+@mutant("LOSS-MEAN-NLL")
 class LossAveragedPerSequence(MutantBackend):
-    """Averages within each sequence, then sums over the batch. Rule: LOSS-MEAN-NLL."""
-
-    name = "loss-averaged-per-sequence"
+    """The loss averages per sequence, then sums over the batch."""
 
     def loss(
         self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
@@ -60,10 +56,10 @@ class _ColumnMajorInit(DecoderModel):
         return cls.from_parameters(config, entries)
 
 
+@mutant("INIT-RECIPE")
 class XavierFilledColumnMajor(MutantBackend):
-    """Fills each Xavier matrix in column-major order. Rule: INIT-RECIPE."""
+    """Xavier matrices filled column by column instead of row by row."""
 
-    name = "xavier-filled-column-major"
     model_class = _ColumnMajorInit
 
 
@@ -74,23 +70,19 @@ class _StreamAdvancedFirst(DecoderModel):
         return super().initialize(config, stream)
 
 
+@mutant("INIT-STREAM-ADVANCE", RuleCategory.TRANSACTIONS)
 class StreamAdvancedBeforeValidation(MutantBackend):
-    """Draws from the caller's stream before validating (and so also on refusal).
+    """The stream is drawn from before validation (and so also on a refusal).
 
-    Rules: TXN-INIT, INIT-STREAM-ADVANCE.
+    Caught by INIT-STREAM-ADVANCE (one draw too many) and TXN-INIT.
     """
 
-    name = "stream-advanced-before-validation"
     model_class = _StreamAdvancedFirst
 
 
+@mutant("DET-REPEAT")
 class GradientsAccumulateAcrossCalls(MutantBackend):
-    """Gradients are not reset between loss calls, so a second call returns twice as much.
-
-    Rule: DET-REPEAT.
-    """
-
-    name = "gradients-accumulate-across-calls"
+    """Gradients are not reset between loss calls, so a second call returns twice as much."""
 
     def loss(
         self,
@@ -109,41 +101,41 @@ class GradientsAccumulateAcrossCalls(MutantBackend):
         return LossOutput(float(value.value), dense_gradients(model))
 
 
-class _NoisyAttention(CausalSelfAttention):
+class _NoisyAttention(c.ComposedAttention):
     generator = np.random.default_rng()
-    _attend = CausalSelfAttention._attend_composed
 
-    def _scores(self, query: Tensor, key: Tensor) -> Tensor:
-        scores = super()._scores(query, key)
-        jitter = Tensor(self.generator.normal(scale=1e-15, size=scores.shape))
-        return ops.add(scores, jitter)  # like a nondeterministic parallel reduction
+    def scores(self, query: Tensor, key: Tensor) -> Tensor:
+        scores = super().scores(query, key)
+        jitter = self.generator.normal(scale=1e-15, size=scores.shape)
+        return _plus_constant(scores, jitter)  # like a nondeterministic parallel reduction
 
 
+def _plus_constant(x: Tensor, constant: Array) -> Tensor:
+    """``x + constant`` for a constant array.  VJP: ``g``."""
+    return Tensor.from_operation(x.value + constant, (x,), lambda g: (g,), "add_noise")
+
+
+@mutant("DET-REPEAT")
 class NondeterministicScores(MutantBackend):
-    """Attention scores carry run-to-run noise of 1e-15, as an unordered reduction would.
+    """Attention scores carry 1e-15 run-to-run noise, as an unordered reduction would."""
 
-    Rule: DET-REPEAT.
-    """
-
-    name = "nondeterministic-scores"
     model_class = model_with("NoisyAttention", attention_class=_NoisyAttention)
-
-
-def _rms_without_mean_term(norm: RMSNorm, x: Tensor) -> Tensor:
-    mean_square = ops.mean(ops.mul(x, x), axis=-1)
-    inverse = ops.exp(ops.scale(ops.log(ops.add_constant(mean_square, norm.epsilon)), -0.5))
-    return ops.mul(ops.mul(x, inverse.detach()), norm.gain.tensor)
 
 
 class _ConstantScaleNorm(RMSNorm):
     def forward(self, x: Tensor) -> Tensor:
-        return _rms_without_mean_term(self, x)
+        mean_square = c.mean(c.mul(x, x), axis=-1)
+        inverse = c.exp(c.scale(c.log(c.shift(mean_square, self.epsilon)), -0.5))
+        return c.mul(c.mul(x, inverse.detach()), self.gain.tensor)
 
 
+@mutant("GRAD-ORACLE")
 class RmsBackwardWithoutMeanTerm(MutantBackend):
-    """RMSNorm's backward treats 1/rms as a constant; the forward is exact. Rule: GRAD-ORACLE."""
+    """RMSNorm backward without its mean-square term: 1/rms treated as a constant.
 
-    name = "rms-backward-without-mean-term"
+    The forward is exact.
+    """
+
     model_class = model_with("ConstantScaleNorm", norm_class=_ConstantScaleNorm)
 
 
@@ -154,23 +146,22 @@ def _silu_with_wrong_derivative(x: Tensor) -> Tensor:
 
 class _WrongSiluBackward(SwiGLU):
     def forward(self, x: Tensor) -> Tensor:
-        hidden = ops.mul(_silu_with_wrong_derivative(self.gate.forward(x)), self.up.forward(x))
+        hidden = c.mul(_silu_with_wrong_derivative(self.gate.forward(x)), self.up.forward(x))
         return self.down.forward(hidden)
 
 
+@mutant("GRAD-ORACLE")
 class SiluBackwardIsSigmoid(MutantBackend):
-    """SiLU's backward uses sigmoid(u) instead of sigmoid(u)(1 + u(1 - sigmoid(u))).
+    """SiLU backward uses sigmoid(u), not sigmoid(u)(1 + u(1 - sigmoid(u))).
 
-    The forward is exact. Rule: GRAD-ORACLE.
+    The forward is exact.
     """
 
-    name = "silu-backward-is-sigmoid"
     model_class = model_with("WrongSiluBackward", feed_forward_class=_WrongSiluBackward)
 
 
 def _softmax_without_sum_term(scores: Tensor) -> Tensor:
-    length = scores.shape[-1]
-    masked = np.where(np.triu(np.ones((length, length), dtype=bool), k=1), -np.inf, scores.value)
+    masked = np.where(c.future_mask(scores.shape[-1]), -np.inf, scores.value)
     shifted = np.exp(masked - masked.max(axis=-1, keepdims=True))
     weights = shifted / shifted.sum(axis=-1, keepdims=True)
 
@@ -180,32 +171,23 @@ def _softmax_without_sum_term(scores: Tensor) -> Tensor:
     return Tensor.from_operation(weights, (scores,), vjp, "causal_softmax")
 
 
-class _SoftmaxBackwardWithoutSum(CausalSelfAttention):
-    _attend = CausalSelfAttention._attend_composed
-
-    def _weights(self, scores: Tensor) -> Tensor:
+class _SoftmaxBackwardWithoutSum(c.ComposedAttention):
+    def weights(self, scores: Tensor) -> Tensor:
         return _softmax_without_sum_term(scores)
 
 
+@mutant("GRAD-ORACLE")
 class SoftmaxBackwardWithoutSumTerm(MutantBackend):
-    """The softmax backward drops its ``- sum(g * p)`` term; the forward is exact.
+    """Softmax backward without its sum term, - sum(g p); the forward is exact."""
 
-    Rule: GRAD-ORACLE.
-    """
-
-    name = "softmax-backward-without-sum-term"
     model_class = model_with(
         "SoftmaxBackwardWithoutSum", attention_class=_SoftmaxBackwardWithoutSum
     )
 
 
+@mutant("GRAD-ORACLE")
 class OutputWeightGradientTransposed(MutantBackend):
-    """Reports each attention output matrix's gradient transposed (a backward-only bug).
-
-    Rule: GRAD-ORACLE.
-    """
-
-    name = "output-weight-gradient-transposed"
+    """The attention output matrix's gradient transposed (a backward-only bug)."""
 
     def loss(
         self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool

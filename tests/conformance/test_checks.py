@@ -1,0 +1,115 @@
+"""The suite's judge: one message shape, comparisons that see NaN, refusals, reproductions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.adapter import Refusal
+from conformance.adapters.reference import ReferenceBackend
+from conformance.checks import Case, Judge
+from spec.config import FIXTURE
+from spec.errors import ErrorKind
+
+Failed = pytest.fail.Exception
+
+
+def judge(case: Case | None = None) -> Judge:
+    backend = ReferenceBackend()
+    plain = Judge("SHAPE-LOGITS", backend, "reference")
+    return plain if case is None else plain.on(case)
+
+
+def failure(action: object) -> str:
+    with pytest.raises(Failed) as caught:
+        action()  # type: ignore[operator]
+    return str(caught.value)
+
+
+def test_a_failure_has_the_one_message_shape() -> None:
+    message = failure(lambda: judge().fail("logits shape", (1, 3), (1, 3, 5)))
+    assert message == "[SHAPE-LOGITS] logits shape=(1, 3), but should be (1, 3, 5)"
+    judge().check(True, "never shown", 1, 2)
+    assert failure(lambda: judge().check(False, "x", 1, 2)) == "[SHAPE-LOGITS] x=1, but should be 2"
+
+
+def test_close_names_the_worst_element_and_how_many_are_over() -> None:
+    exact = np.array([[1.0, 2.0, 3.0]])
+    judge().close("values", exact + 1e-13, exact, 1e-12)  # within tolerance: silent
+    got = exact.copy()
+    got[0, 1] += 0.5
+    got[0, 2] += 0.1
+    message = failure(lambda: judge().close("values", got, exact, 1e-12))
+    assert message.startswith("[SHAPE-LOGITS] values[0, 1]=2.5 (scaled error 2.500e-01; 2 of 3")
+    assert message.endswith("but should be 2.0 within 1e-12")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_close_fails_on_a_value_that_is_not_finite(bad: float) -> None:
+    exact = np.array([1.0, 2.0])
+    got = np.array([1.0, bad])
+    message = failure(lambda: judge().close("loss", got, exact, 1.0))
+    assert "loss[1]=" in message and "1 of 2 elements over" in message
+
+
+def test_close_reports_a_shape_mismatch_before_values() -> None:
+    message = failure(lambda: judge().close("logits", np.zeros((1, 5, 3)), np.zeros((1, 3, 5)), 1))
+    assert message == "[SHAPE-LOGITS] logits shape=[1, 5, 3], but should be [1, 3, 5]"
+
+
+def test_refused_checks_kind_details_and_says_why() -> None:
+    def refuse() -> None:
+        raise Refusal(ErrorKind.TOKEN_ID_OUT_OF_BOUNDS, "bad", {"position": 2})
+
+    assert judge().refused(refuse, ErrorKind.TOKEN_ID_OUT_OF_BOUNDS, position=2).details == {
+        "position": 2
+    }
+    wrong_kind = failure(
+        lambda: judge().refused(
+            refuse, ErrorKind.TARGET_COUNT_MISMATCH, what="refusal kind for x", reason="order"
+        )
+    )
+    assert wrong_kind == (
+        "[SHAPE-LOGITS] refusal kind for x=token-id-out-of-bounds (bad), "
+        "but should be target-count-mismatch (order)"
+    )
+    wrong_detail = failure(lambda: judge().refused(refuse, refuse_kind(), position=0))
+    assert wrong_detail == "[SHAPE-LOGITS] refusal detail position=2, but should be 0"
+
+
+def refuse_kind() -> ErrorKind:
+    return ErrorKind.TOKEN_ID_OUT_OF_BOUNDS
+
+
+def test_refused_reports_a_crash_and_an_accepted_input() -> None:
+    def crash() -> None:
+        raise IndexError("list index out of range")
+
+    crashed = failure(lambda: judge().refused(crash, ErrorKind.EMPTY_BATCH))
+    assert crashed == (
+        "[SHAPE-LOGITS] refusal=IndexError: list index out of range, "
+        "but should be a Refusal of kind empty-batch"
+    )
+    accepted = failure(lambda: judge().refused(lambda: None, ErrorKind.EMPTY_BATCH))
+    assert accepted == (
+        "[SHAPE-LOGITS] refusal=none (the call succeeded), but should be a Refusal of kind "
+        "empty-batch"
+    )
+
+
+def test_a_bound_case_adds_a_reproduction_that_runs() -> None:
+    case = Case(
+        FIXTURE.config,
+        FIXTURE.seed,
+        np.asarray(FIXTURE.tokens),
+        call="output = backend.forward(model, tokens)",
+        notes={"changed_row": 3},
+    )
+    message = failure(lambda: judge(case).fail("logits", 1, 2))
+    first, _, snippet = message.partition("\n")
+    assert first == "[SHAPE-LOGITS] logits=1, but should be 2"
+    assert snippet.startswith("reproduce with:\n")
+    assert "    changed_row = 3" in snippet
+    namespace: dict[str, object] = {}
+    exec("\n".join(line[4:] for line in snippet.splitlines()[1:]), namespace)
+    assert np.asarray(namespace["output"].logits).shape == (1, 3, 5)  # type: ignore[attr-defined]

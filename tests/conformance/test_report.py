@@ -1,0 +1,111 @@
+"""Rule-by-rule results: the tally's worst-outcome rule, the renderers, the report read back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conformance.report import (
+    Report,
+    ReportError,
+    RuleTally,
+    SuiteIdentity,
+    render_json,
+    render_markdown,
+    render_table,
+)
+from spec.rules import RULES
+
+IDENTITY = SuiteIdentity("my|backend", "1.0", "float64", ["stages"], "0.1.0", "ci")
+
+
+def test_a_rule_takes_its_worst_outcome_and_first_message() -> None:
+    tally = RuleTally()
+    tally.record("SHAPE-LOGITS", "passed", 0.5, "")
+    tally.record("SHAPE-LOGITS", "failed", 0.25, "first failure")
+    tally.record("SHAPE-LOGITS", "failed", 0.25, "second failure")
+    tally.record("SHAPE-LOGITS", "passed", 0.0, "")
+    result = tally.results["SHAPE-LOGITS"]
+    assert (result.status, result.tests, result.duration, result.message) == (
+        "failed",
+        4,
+        1.0,
+        "first failure",
+    )
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "status"),
+    [
+        (["skipped", "skipped"], "skipped"),
+        (["skipped", "passed"], "passed"),
+        (["xfailed", "passed"], "xfailed"),
+        (["xfailed", "xpassed"], "xpassed"),
+        (["xpassed", "failed"], "failed"),
+        ([], "untested"),
+    ],
+)
+def test_the_severity_order(outcomes: list[str], status: str) -> None:
+    tally = RuleTally()
+    for outcome in outcomes:
+        tally.record("PARAM-COUNT", outcome, 0.0, outcome)
+    assert tally.results["PARAM-COUNT"].status == status
+
+
+def test_the_summary_counts_every_rule_once() -> None:
+    tally = RuleTally()
+    tally.record("SHAPE-LOGITS", "failed", 0.0, "x")
+    tally.record("PARAM-COUNT", "skipped", 0.0, "needs capability 'stages'")
+    summary = tally.summary()
+    assert summary["failed"] == 1 and summary["skipped"] == 1
+    assert summary["untested"] == len(RULES) - 2
+    assert sum(summary.values()) == len(RULES)
+
+
+def _tally() -> RuleTally:
+    tally = RuleTally()
+    for rule in RULES:
+        tally.record(rule.id, "passed", 0.01, "")
+    tally.record("SHAPE-LOGITS", "failed", 0.5, "[SHAPE-LOGITS] shape | bad\nreproduce with: ...")
+    return tally
+
+
+def test_the_table_has_a_line_per_rule_with_the_first_line_of_a_failure() -> None:
+    text = render_table(_tally(), IDENTITY)
+    lines = text.splitlines()
+    assert lines[0].startswith("decoder-conformance 0.1.0: backend my|backend 1.0 (float64)")
+    assert len(lines) == 2 + len(RULES) + 1
+    (failed,) = [line for line in lines if line.startswith("SHAPE-LOGITS ")]
+    assert "failed" in failed and failed.endswith("[SHAPE-LOGITS] shape | bad")
+    assert lines[-1] == f"{len(RULES) - 1} passed, 1 failed"
+
+
+def test_markdown_escapes_table_cells() -> None:
+    text = render_markdown(_tally(), IDENTITY)
+    assert "| `SHAPE-LOGITS` | shapes | failed | 0.51 | [SHAPE-LOGITS] shape \\| bad |" in text
+    assert text.startswith("# Conformance report: my|backend 1.0\n")
+
+
+def test_json_reads_back_into_the_same_report() -> None:
+    tally = _tally()
+    text = render_json(tally, IDENTITY)
+    document = json.loads(text)
+    assert document["schema"] == "decoder-conformance-report" and document["schema_version"] == 1
+    report = Report.from_json(text, status=1, output="printed")
+    assert report.identity == IDENTITY
+    assert [r.id for r in report.rules] == [rule.id for rule in RULES]
+    assert report.summary == tally.summary()
+    assert [r.id for r in report.failed()] == ["SHAPE-LOGITS"]
+    assert report.rule("SHAPE-LOGITS").message.startswith("[SHAPE-LOGITS] shape | bad")
+    with pytest.raises(KeyError, match="no rule 'NO-SUCH'"):
+        report.rule("NO-SUCH")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[]", "{}", '{"schema": "decoder-conformance-report"}', "not json", '{"schema": 1}'],
+)
+def test_a_report_that_breaks_the_schema_is_refused(text: str) -> None:
+    with pytest.raises(ReportError):
+        Report.from_json(text, status=0)
