@@ -14,10 +14,13 @@ from conformance.profiles import suite_settings
 from spec.tolerances import Tolerance
 
 
-def _changed_at(scenario: Scenario, position: int, shift: int) -> IdArray:
+def _change_one_position(scenario: Scenario, data: st.DataObject) -> tuple[int, IdArray]:
+    """A drawn position, and the tokens with every sequence's token there changed."""
+    position = data.draw(st.integers(0, scenario.tokens.shape[1] - 1), label="changed position")
+    shift = data.draw(st.integers(1, scenario.config.vocabulary_size - 1), label="id shift")
     changed = scenario.tokens.copy()
     changed[:, position] = (changed[:, position] + shift) % scenario.config.vocabulary_size
-    return changed
+    return position, changed
 
 
 @pytest.mark.rule("CAUSAL-PREFIX-BITWISE")
@@ -27,10 +30,7 @@ def test_changing_token_t_leaves_earlier_rows_bitwise_unchanged(
     backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
 ) -> None:
     """Full-length runs (no truncation) so a mask that lets position t see t+1 shows."""
-    position = data.draw(st.integers(0, scenario.tokens.shape[1] - 1))
-    changed = _changed_at(
-        scenario, position, data.draw(st.integers(1, scenario.config.vocabulary_size - 1))
-    )
+    position, changed = _change_one_position(scenario, data)
     model = scenario.build(backend)
     before = backend.forward(model, scenario.tokens).logits
     after = backend.forward(model, changed).logits
@@ -52,10 +52,7 @@ def test_changing_token_t_leaves_earlier_rows_bitwise_unchanged(
 def test_changing_token_t_changes_row_t(
     backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
 ) -> None:
-    position = data.draw(st.integers(0, scenario.tokens.shape[1] - 1))
-    changed = _changed_at(
-        scenario, position, data.draw(st.integers(1, scenario.config.vocabulary_size - 1))
-    )
+    position, changed = _change_one_position(scenario, data)
     model = scenario.build(backend)
     before = backend.forward(model, scenario.tokens).logits[:, position]
     after = backend.forward(model, changed).logits[:, position]

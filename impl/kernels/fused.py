@@ -109,16 +109,8 @@ def _rows(array: Array, shape: tuple[int, ...]) -> Array:
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """:func:`impl.ops.matmul`; a shared 2-D weight is one product over all rows, split by
-    rows over threads, and its two backward products run one per thread."""
-    if b.value.ndim != 2:
-        value = a.value @ b.value
-
-        def batched_vjp(g: Array) -> tuple[Array, Array]:
-            grad_a = unbroadcast(g @ np.swapaxes(b.value, -1, -2), a.shape)
-            return grad_a, unbroadcast(np.swapaxes(a.value, -1, -2) @ g, b.shape)
-
-        return Tensor.from_operation(value, (a, b), batched_vjp, "matmul")
+    """:func:`impl.ops.matmul` with a shared 2-D weight ``b``: one product over all rows,
+    split by rows over threads, and its two backward products one per thread."""
     inner, outer = b.shape
     rows = _rows(a.value, (-1, inner))
     (product,) = _matrix_products([(rows, b.value)])
