@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from impl.errors import DecoderModelError
-from impl.evidence import collect_evidence, fixture_for, run_fixture
-from impl.report import render_report, render_trace, trace_json
+from impl.evidence import collect_evidence, run_fixture
 from spec.config import FIXTURE, DecoderConfig
+from spec.evidence import fixture_for
+from spec.trace import render_report, render_trace, trace_json
 
 __all__ = ["TraceRefused", "seed_report", "trace"]
 

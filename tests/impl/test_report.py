@@ -15,9 +15,9 @@ import pytest
 from conformance.cli import main
 from impl import ops
 from impl.evidence import collect_evidence, run_fixture
-from impl.report import render_report, render_trace
 from impl.tape import Tensor
 from spec.config import FIXTURE
+from spec.trace import render_report, render_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "golden" / "seed"

@@ -1,4 +1,4 @@
-"""Render evidence as the seed's 14-line learner report, its trace, or JSON.
+"""The seed's formats: an evidence record as the 14-line learner report, the trace, or JSON.
 
 Floats print with six decimals (the decomposition error with twelve), as the seed's
 program prints them; JSON floats use ``repr``, which round-trips every float64 exactly.
@@ -11,9 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from impl.evidence import Evidence, RunRecord
-from impl.tape import Array
 from spec.config import FIXTURE, DecoderConfig
+from spec.evidence import Array, Evidence, RunRecord
 
 __all__ = ["render_report", "render_trace", "trace_json"]
 
@@ -32,8 +31,17 @@ def _shape(shape: tuple[int, ...], separator: str) -> str:
     return "[" + separator.join(str(size) for size in shape) + "]"
 
 
-def _flag(value: bool) -> str:
+UNAVAILABLE = "unavailable"  # the backend lacks the capability that would show it
+
+
+def _flag(value: bool | None) -> str:
+    if value is None:
+        return UNAVAILABLE
     return "true" if value else "false"
+
+
+def _decimal(value: float | None, digits: int) -> str:
+    return UNAVAILABLE if value is None else f"{value:.{digits}f}"
 
 
 def _evidence_fields(evidence: Evidence) -> dict[str, str]:
@@ -49,7 +57,7 @@ def _evidence_fields(evidence: Evidence) -> dict[str, str]:
         "tying": (
             f"name{{sep}}{run.tied_name} lookup_and_head{{sep}}{_flag(run.lookup_and_head)} "
             f"gradient_roles{{sep}}lookup+output "
-            f"decomposition_error{{sep}}{evidence.decomposition_error:.12f}"
+            f"decomposition_error{{sep}}{_decimal(evidence.decomposition_error, 12)}"
         ),
         "parameters": (
             f"tensors{{sep}}{len(run.parameter_names)} scalars{{sep}}{run.parameter_count} "
@@ -73,7 +81,9 @@ def _evidence_fields(evidence: Evidence) -> dict[str, str]:
             f"total{{sep}}{evidence.table_checks + evidence.gain_checks} "
             f"tolerance{{sep}}{evidence.tolerance:.6f} "
             f"passed{{sep}}{_flag(evidence.gradcheck_passed)} "
-            f"stack_gradients{{sep}}{evidence.stack_gradients}/{len(run.parameter_names)}"
+            f"stack_gradients{{sep}}"
+            f"{UNAVAILABLE if evidence.stack_gradients is None else evidence.stack_gradients}"
+            f"/{len(run.parameter_names)}"
         ),
         "replay": f"bitwise{{sep}}{_flag(evidence.replay_bitwise)}",
     }
