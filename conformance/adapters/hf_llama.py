@@ -1,11 +1,8 @@
 """Hugging Face transformers: ``LlamaForCausalLM`` with tied embeddings, loaded from our names.
 
-The model's own code runs unchanged. Two conversions bridge the layouts: transformers stores a
-linear weight as ``[out, in]`` (ours is ``[in, out]``), and it rotates RoPE features in the
-"rotate half" layout, pairing feature j with j + hw/2 where ours pairs 2j with 2j + 1. So every
-matrix is transposed, and the output columns of the query and key matrices are permuted per
-head: our feature 2j goes to position j, our 2j + 1 to position j + hw/2. Scores are
-unchanged because queries and keys move together.
+The model's own code runs unchanged; :data:`conformance.layouts.HF_LLAMA` bridges the layouts
+(every matrix transposed to ``[out, in]``, the query and key output features permuted per
+head from the spec's interleaved pairs to transformers' rotate-half pairs, the names mapped).
 
 Precision: transformers computes RMSNorm, the rotary tables and the eager softmax in float32
 even in a float64 model. ``hf-llama`` loads float64 weights and declares float32, its real
@@ -32,46 +29,11 @@ from conformance.adapter import (
     Parameters,
 )
 from conformance.adapters.torch_backend import as_forward_output, mean_nll
+from conformance.layouts import HF_LLAMA
 from spec.config import DecoderConfig
-from spec.parameters import parameter_names
 from spec.tolerances import Precision
 
-__all__ = ["HFLlamaBackend", "HFLlamaClaimsFloat64", "rotate_half_permutation"]
-
-_BLOCK_MATRICES = {
-    "attention.query.weight": "self_attn.q_proj.weight",
-    "attention.key.weight": "self_attn.k_proj.weight",
-    "attention.value.weight": "self_attn.v_proj.weight",
-    "attention.output.weight": "self_attn.o_proj.weight",
-    "ffn.gate.weight": "mlp.gate_proj.weight",
-    "ffn.up.weight": "mlp.up_proj.weight",
-    "ffn.down.weight": "mlp.down_proj.weight",
-}
-_BLOCK_GAINS = {
-    "attention_norm.gain": "input_layernorm.weight",
-    "ffn_norm.gain": "post_attention_layernorm.weight",
-}
-_ROTATED = {"attention.query.weight", "attention.key.weight"}
-
-
-def rotate_half_permutation(width: int, heads: int) -> npt.NDArray[np.intp]:
-    """``order[i]``: which of our features becomes transformers' feature ``i``."""
-    head_width = width // heads
-    half = head_width // 2
-    within = [2 * i if i < half else 2 * (i - half) + 1 for i in range(head_width)]
-    return np.array([head * head_width + j for head in range(heads) for j in within], dtype=np.intp)
-
-
-def _hf_name(name: str) -> tuple[str, str]:
-    """Transformers' parameter name for one of ours, and how it is stored: gain, matrix, table."""
-    if name == "token_embedding.weight":
-        return "model.embed_tokens.weight", "table"
-    if name == "final_norm.gain":
-        return "model.norm.weight", "gain"
-    _, layer, suffix = name.split(".", 2)
-    if suffix in _BLOCK_GAINS:
-        return f"model.layers.{layer}.{_BLOCK_GAINS[suffix]}", "gain"
-    return f"model.layers.{layer}.{_BLOCK_MATRICES[suffix]}", "matrix"
+__all__ = ["HFLlamaBackend", "HFLlamaClaimsFloat64"]
 
 
 class HFLlamaBackend(BackendBase):
@@ -84,27 +46,6 @@ class HFLlamaBackend(BackendBase):
 
     def __init__(self) -> None:
         self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
-
-    def _to_ours(self, config: DecoderConfig, name: str, value: torch.Tensor) -> FloatArray:
-        array = value.detach().double().numpy()
-        _, kind = _hf_name(name)
-        suffix = name.split(".", 2)[-1]
-        if kind == "matrix":
-            if suffix in _ROTATED:
-                restored = np.empty_like(array)
-                restored[rotate_half_permutation(config.model_width, config.heads)] = array
-                array = restored
-            array = array.T
-        return np.ascontiguousarray(array).copy()
-
-    def _to_hf(self, config: DecoderConfig, name: str, value: npt.ArrayLike) -> torch.Tensor:
-        array = np.asarray(value, dtype=np.float64)
-        _, kind = _hf_name(name)
-        if kind == "matrix":
-            array = array.T
-            if name.split(".", 2)[-1] in _ROTATED:
-                array = array[rotate_half_permutation(config.model_width, config.heads)]
-        return torch.as_tensor(np.ascontiguousarray(array), dtype=self.dtype)
 
     def build(
         self, config: DecoderConfig, parameters: Parameters
@@ -134,8 +75,8 @@ class HFLlamaBackend(BackendBase):
         torch.nn.Module.train(model, False)
         hf_parameters = dict(model.named_parameters())
         with torch.no_grad():
-            for name, value in parameters:
-                hf_parameters[_hf_name(name)[0]].copy_(self._to_hf(config, name, value))
+            for theirs, value in HF_LLAMA.export(config, parameters).items():
+                hf_parameters[theirs].copy_(torch.as_tensor(value, dtype=self.dtype))
         if model.lm_head.weight is not model.model.embed_tokens.weight:
             raise RuntimeError("transformers did not tie lm_head to embed_tokens")
         return config, model
@@ -144,11 +85,8 @@ class HFLlamaBackend(BackendBase):
         self, model: tuple[DecoderConfig, LlamaForCausalLM]
     ) -> list[tuple[str, FloatArray]]:
         config, hf = model
-        hf_parameters = dict(hf.named_parameters())
-        return [
-            (name, self._to_ours(config, name, hf_parameters[_hf_name(name)[0]]))
-            for name in parameter_names(config)
-        ]
+        state = {name: value.detach().double().numpy() for name, value in hf.named_parameters()}
+        return HF_LLAMA.load(config, state)
 
     def _run(
         self, model: tuple[DecoderConfig, LlamaForCausalLM], tokens: npt.ArrayLike
@@ -200,12 +138,11 @@ class HFLlamaBackend(BackendBase):
         # Targets are aligned with positions here; transformers' own loss would shift them.
         loss = mean_nll(logits, targets, config.vocabulary_size)
         torch.autograd.backward([loss])
-        hf_parameters = dict(hf.named_parameters())
-        gradients = {}
-        for name in parameter_names(config):
-            parameter = hf_parameters[_hf_name(name)[0]]
-            grad = torch.zeros_like(parameter) if parameter.grad is None else parameter.grad
-            gradients[name] = self._to_ours(config, name, grad)
+        state = {
+            name: (torch.zeros_like(p) if p.grad is None else p.grad).double().numpy()
+            for name, p in hf.named_parameters()
+        }
+        gradients = dict(HF_LLAMA.load(config, state))
         hf.zero_grad(set_to_none=True)
         return LossOutput(loss=float(loss.item()), gradients=gradients)
 

@@ -51,14 +51,6 @@ def test_parameters_round_trip_through_the_backend_layout(backend) -> None:  # t
         assert got.tobytes() == expected.astype(stored).astype(np.float64).tobytes(), name
 
 
-def test_rotate_half_permutation_pairs_interleaved_features() -> None:
-    pytest.importorskip("transformers")
-    from conformance.adapters.hf_llama import rotate_half_permutation
-
-    # Two heads of width 4: our (0, 1) and (2, 3) become transformers' (0, 2) and (1, 3).
-    assert rotate_half_permutation(8, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
-
-
 def test_transformers_in_float64_is_not_float64_accurate() -> None:
     """Loaded in float64, Llama's float32 internals show at the first block, about 1e-8 off."""
     pytest.importorskip("transformers")
