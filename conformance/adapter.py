@@ -11,11 +11,16 @@ skipped, with the capability named; it is never silently passed.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import os
+import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from importlib.metadata import entry_points
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -24,6 +29,7 @@ import numpy.typing as npt
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
 from spec.recipe import SplitMix64
+from spec.rules import Capability
 from spec.tolerances import Precision
 
 __all__ = [
@@ -38,26 +44,15 @@ __all__ = [
     "Refusal",
     "call_build_seeded",
     "call_initialize",
+    "describe",
     "load_backend",
+    "where",
 ]
 
 ENTRY_POINT_GROUP = "decoder_conformance.adapters"
 
 FloatArray = npt.NDArray[np.float64]
 Parameters = Sequence[tuple[str, FloatArray]]
-
-
-class Capability(StrEnum):
-    """An optional part of the protocol; rules that need it are skipped without it."""
-
-    STAGES = "stages"  # forward returns every residual-stream stage, not only logits
-    GRADIENTS = "gradients"  # loss returns the gradient of every named parameter
-    TIED_ROLES = "tied-roles"  # loss can detach the lookup or the head use of the table
-    CONFIG_ERRORS = "config-errors"  # invalid configurations are refused with spec kinds
-    INPUT_ERRORS = "input-errors"  # invalid tokens and targets are refused with spec kinds
-    REBUILD_ERRORS = "rebuild-errors"  # invalid parameter lists are refused with spec kinds
-    SEEDED_INIT = "seeded-init"  # build_seeded(config, seed) follows the recipe
-    STREAM_INIT = "stream-init"  # initialize(config, stream) draws from a caller's stream
 
 
 class Refusal(Exception):
@@ -183,18 +178,69 @@ def _registered() -> dict[str, str]:
     return {point.name: point.value for point in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def _import_target(target: str) -> object:
-    module_name, _, attribute = target.partition(":")
-    if not module_name or not attribute:
-        raise BackendLoadError(
-            f"adapter {target!r} must be a registered name or 'package.module:attribute'"
-        )
+def where(error: BaseException) -> str:
+    """``file:line`` of the innermost frame an exception passed through (the file's name only)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if isinstance(error, SyntaxError) and error.filename:
+        return f"{Path(error.filename).name}:{error.lineno}"
+    if not frames:
+        return "?"
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}"
+
+
+def describe(error: BaseException) -> str:
+    """``Type: message (file:line)``, on one line."""
+    text = " ".join(str(error).split()) or "(no message)"
+    return f"{type(error).__name__}: {text} ({where(error)})"
+
+
+def _import_module(module_name: str, target: str) -> ModuleType:
+    """The module of ``module:attr``: a dotted name (found from the working directory too) or
+    a path to a ``.py`` file (imported under its file name, its folder on the import path)."""
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        path = Path(module_name).expanduser()
+        if not path.is_file():
+            raise BackendLoadError(f"adapter {target!r}: no file {path}")
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise BackendLoadError(f"adapter {target!r}: {path} is not a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        loader: Any = spec.loader
+        try:
+            loader.exec_module(module)
+        except Exception as error:
+            del sys.modules[path.stem]
+            raise BackendLoadError(
+                f"adapter {target!r}: importing {path} failed: {describe(error)}"
+            ) from error
+        return module
+    working = os.getcwd()
+    if "" not in sys.path and working not in sys.path:
+        sys.path.insert(0, working)  # as "python -m" would: the user's own module comes first
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ImportError as error:
         raise BackendLoadError(
             f"adapter {target!r}: cannot import {module_name}: {error}"
         ) from error
+    except Exception as error:
+        raise BackendLoadError(
+            f"adapter {target!r}: importing {module_name} failed: {describe(error)}"
+        ) from error
+
+
+def _import_target(target: str) -> object:
+    module_name, _, attribute = target.rpartition(":")
+    if not module_name or not attribute:
+        raise BackendLoadError(
+            f"adapter {target!r} must be a registered name, 'package.module:attribute' "
+            "or 'path/to/file.py:attribute'"
+        )
+    module = _import_module(module_name, target)
     try:
         found: object = module
         for part in attribute.split("."):
@@ -215,7 +261,11 @@ def load_backend(name: str, options: BackendOptions | None = None) -> Backend:
     registered = _registered()
     if ":" not in name and name not in registered:
         known = ", ".join(sorted(registered)) or "none"
-        raise BackendLoadError(f"no adapter named {name!r}; registered adapters: {known}")
+        hint = " (name the class too: FILE.py:CLASS)" if name.endswith(".py") else ""
+        raise BackendLoadError(
+            f"no adapter named {name!r}{hint}; registered adapters: {known}, "
+            "or give package.module:attribute or path/to/file.py:attribute"
+        )
     target = _import_target(registered.get(name, name))
     if isinstance(target, Backend) and not inspect.isclass(target):
         return target
@@ -227,7 +277,9 @@ def load_backend(name: str, options: BackendOptions | None = None) -> Backend:
     except BackendLoadError:
         raise
     except Exception as error:
-        raise BackendLoadError(f"adapter {name!r} could not be created: {error}") from error
+        raise BackendLoadError(
+            f"adapter {name!r} could not be created: {describe(error)}"
+        ) from error
     if not isinstance(made, Backend):
         raise BackendLoadError(
             f"adapter {name!r} made {type(made).__name__}, which lacks the Backend protocol "

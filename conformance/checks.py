@@ -87,8 +87,40 @@ class Judge:
         if not condition:
             self.fail(what, got, expected)
 
-    def close(self, what: str, got: npt.ArrayLike, exact: npt.ArrayLike, tolerance: float) -> None:
-        """Fail unless every ``|got - exact| / max(1, |exact|)`` is within ``tolerance``."""
+    def finite(self, what: str, got: npt.ArrayLike) -> None:
+        """Fail, naming the first one, unless every value is finite."""
+        got_array = np.asarray(got, dtype=np.float64)
+        bad = ~np.isfinite(got_array)
+        if not bad.any():
+            return
+        index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), got_array.shape))
+        location = f"{what}{list(index)}" if index else what
+        self.fail(
+            location,
+            f"{float(got_array[index])!r} (not finite; {int(bad.sum())} of {bad.size} elements)",
+            "finite",
+        )
+
+    @staticmethod
+    def within(got: npt.ArrayLike, exact: npt.ArrayLike, tolerance: float) -> bool:
+        """Whether :meth:`close` would pass."""
+        got_array = np.asarray(got, dtype=np.float64)
+        exact_array = np.asarray(exact, dtype=np.float64)
+        if got_array.shape != exact_array.shape:
+            return False
+        return bool(np.all(scaled_error(got_array, exact_array) <= tolerance))
+
+    def close(
+        self,
+        what: str,
+        got: npt.ArrayLike,
+        exact: npt.ArrayLike,
+        tolerance: float,
+        *,
+        hint: str = "",
+    ) -> None:
+        """Fail unless every value is finite and ``|got - exact| / max(1, |exact|)`` is within
+        ``tolerance``; ``hint`` (what the failure looks like) ends the message."""
         got_array = np.asarray(got, dtype=np.float64)
         exact_array = np.asarray(exact, dtype=np.float64)
         self.check(
@@ -97,8 +129,9 @@ class Judge:
             list(got_array.shape),
             list(exact_array.shape),
         )
+        self.finite(what, got_array)
         errors = scaled_error(got_array, exact_array)
-        over = ~(errors <= tolerance)  # NaN, from a non-finite value, counts as over
+        over = ~(errors <= tolerance)
         if not over.any():
             return
         worst = int(np.argmax(np.where(np.isnan(errors), np.inf, errors)))
@@ -108,8 +141,26 @@ class Judge:
             location,
             f"{float(got_array[index])!r} (scaled error {float(errors[index]):.3e}; "
             f"{int(over.sum())} of {errors.size} elements over)",
-            f"{float(exact_array[index])!r} within {tolerance:.0e}",
+            f"{float(exact_array[index])!r} within {tolerance:.0e}" + (f"; {hint}" if hint else ""),
         )
+
+    def same_bits(self, what: str, got: npt.ArrayLike, expected: npt.ArrayLike) -> None:
+        """Fail unless both are finite and bit for bit the same (shape and every value)."""
+        got_array, expected_array = np.asarray(got), np.asarray(expected)
+        self.finite(what, got_array)
+        self.finite(f"{what} (the first time)", expected_array)
+        same = (
+            got_array.shape == expected_array.shape
+            and got_array.dtype == expected_array.dtype
+            and got_array.tobytes() == expected_array.tobytes()
+        )
+        if not same:
+            gap = (
+                float(np.max(np.abs(got_array.astype(np.float64) - expected_array)))
+                if got_array.shape == expected_array.shape
+                else float("nan")
+            )
+            self.fail(what, f"different (by up to {gap:.3e})", "bitwise the same")
 
     def refused(
         self,

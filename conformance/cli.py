@@ -30,8 +30,8 @@ class _Parser(argparse.ArgumentParser):
         raise CommandLineError(f"{self.prog}: {message} (see --help)")
 
 
-def _add_suite_commands(commands: Any) -> None:
-    """run, golden, tolerances, bench and mutants: the commands that check backends."""
+def _add_run_commands(commands: Any) -> None:
+    """run and check-adapter: the commands a backend author uses."""
     run = commands.add_parser(
         "run",
         help="check a backend against every rule and print a rule-by-rule table",
@@ -43,7 +43,7 @@ def _add_suite_commands(commands: Any) -> None:
     run.add_argument(
         "--adapter",
         default=None,
-        help="registered adapter name or package.module:attribute "
+        help="registered adapter name, package.module:attribute or path/to/file.py:attribute "
         "(default: $DECODER_CONFORMANCE_ADAPTER, else reference)",
     )
     run.add_argument(
@@ -52,9 +52,33 @@ def _add_suite_commands(commands: Any) -> None:
         default="default",
         help="hypothesis profile: ci (small, derandomized), default, thorough",
     )
+    run.add_argument(
+        "--rule",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="check only this rule (repeatable; a glob such as 'ERR-*' too)",
+    )
+    run.add_argument(
+        "--max-examples", type=_positive_int, help="examples a property runs (the profile's)"
+    )
+    run.add_argument(
+        "--seed",
+        type=_non_negative_int,
+        help="hypothesis seed (default: drawn and reported; the ci profile is derandomized)",
+    )
     run.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     run.add_argument("--markdown", metavar="FILE", help="also write the report as Markdown")
+    run.add_argument(
+        "--repro-dir", metavar="DIR", help="write a reproduction script per failed rule here"
+    )
     run.add_argument("--xfails-file", metavar="FILE", help="expected failures of this backend")
+    run.add_argument("--skips-file", metavar="FILE", help="tests not to run (they crash or hang)")
+    run.add_argument(
+        "--no-contract-check",
+        action="store_true",
+        help="run the rules even when the adapter breaks its contract",
+    )
     run.add_argument("--backend-command", help="command that starts a subprocess backend")
     run.add_argument(
         "--backend-timeout", type=_positive_real, default=60.0, help="seconds per request (60)"
@@ -64,13 +88,27 @@ def _add_suite_commands(commands: Any) -> None:
         "--workers",
         type=_non_negative_int,
         default=0,
-        help="run on N processes with pytest-xdist (0: in this process)",
+        help="run on N processes with pytest-xdist (0: in one process)",
     )
     run.add_argument(
         "--pytest-args",
         default="",
         help='extra pytest arguments, quoted as one string (for example "-x -k tying" or "-x")',
     )
+    check = commands.add_parser(
+        "check-adapter",
+        help="check an adapter's contract in seconds: types, shapes, dtypes, capabilities",
+        description=(
+            "Call every method the adapter declares on two small models and report, one line "
+            "each, what it returns against the protocol. Exit status 0 when it keeps it."
+        ),
+    )
+    check.add_argument("--adapter", default=None, help="the adapter, as for run")
+    check.add_argument("--backend-command", help="command that starts a subprocess backend")
+
+
+def _add_suite_commands(commands: Any) -> None:
+    """golden, tolerances, bench and mutants: the maintainers' commands."""
     golden = commands.add_parser(
         "golden",
         help="regenerate the golden files from the reference, or check them",
@@ -220,10 +258,13 @@ def _real(text: str) -> float:
 
 
 def build_parser() -> _Parser:
+    from conformance import __version__
+
     parser = _Parser(
         prog=PROGRAM,
         description="Check tied-embedding decoder-only transformers against an executable spec.",
     )
+    parser.add_argument("--version", action="version", version=f"{PROGRAM} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
     commands.add_parser(
@@ -231,6 +272,7 @@ def build_parser() -> _Parser:
         help="print the seed chapter's 14-line learner report, computed by the reference",
         description="Run the seed fixture through the reference and print the learner report.",
     )
+    _add_run_commands(commands)
     _add_suite_commands(commands)
     rules = commands.add_parser(
         "rules",
@@ -297,6 +339,17 @@ def build_parser() -> _Parser:
         default="text",
         help="text: the evidence trace; json: stages, logits, loss and gradients",
     )
+    trace.add_argument(
+        "--adapter",
+        help="trace this backend, through the adapter protocol (default: the reference itself)",
+    )
+    trace.add_argument("--backend-command", help="command that starts a subprocess backend")
+    trace.add_argument(
+        "--diff",
+        action="store_true",
+        help="also name the first stage, row and feature where the backend departs from the "
+        "reference, with both values",
+    )
     return parser
 
 
@@ -313,15 +366,27 @@ def _run_rules(options: argparse.Namespace) -> str:
 
     if options.format == "json":
         listed = [
-            {"id": r.id, "category": str(r.category), "statement": r.statement, "source": r.source}
+            {
+                "id": r.id,
+                "category": str(r.category),
+                "needs": [str(c) for c in r.needs],
+                "statement": r.statement,
+                "source": r.source,
+            }
             for r in RULES
         ]
         return json.dumps({"rules": listed}, indent=2) + "\n"
+    needs = {r.id: ", ".join(str(c) for c in r.needs) or "-" for r in RULES}
     id_width = max(len(r.id) for r in RULES)
     category_width = max(len(str(r.category)) for r in RULES)
-    lines = [f"{'ID':<{id_width}}  {'CATEGORY':<{category_width}}  STATEMENT"]
+    needs_width = max(len(text) for text in needs.values())
+    lines = [
+        f"{'ID':<{id_width}}  {'CATEGORY':<{category_width}}  {'NEEDS':<{needs_width}}  STATEMENT"
+    ]
     lines.extend(
-        f"{r.id:<{id_width}}  {r.category!s:<{category_width}}  {r.statement}" for r in RULES
+        f"{r.id:<{id_width}}  {r.category!s:<{category_width}}  {needs[r.id]:<{needs_width}}  "
+        f"{r.statement}"
+        for r in RULES
     )
     lines.append(f"{len(RULES)} rules")
     return "\n".join(lines) + "\n"
@@ -351,14 +416,56 @@ def _run_trace(options: argparse.Namespace) -> str:
     )
     tokens = FIXTURE.tokens if options.tokens is None else _id_rows("--tokens", options.tokens)
     targets = FIXTURE.targets if options.targets is None else _id_rows("--targets", options.targets)
+    if options.adapter is None and not options.diff:
+        try:
+            return trace(config, options.seed, tokens, targets, as_json=options.format == "json")
+        except TraceRefused as error:
+            raise CommandLineError(f"{PROGRAM} trace: {error}") from error
+    return _trace_backend(options, config, tokens, targets)
+
+
+def _trace_backend(options: argparse.Namespace, config: Any, tokens: Any, targets: Any) -> str:
+    """``trace --adapter NAME [--diff]``: any backend's trace, through its adapter."""
+    from conformance.adapter import BackendLoadError, BackendOptions, Refusal, load_backend
+    from conformance.trace import collect_trace, first_departure, run_record
+    from spec.evidence import fixture_for
+    from spec.tolerances import tolerance_for
+    from spec.trace import render_trace, trace_json
+    from spec.validation import config_violation, loss_violation
+
+    violation = config_violation(config) or loss_violation(config, tokens, targets)
+    if violation is not None:
+        raise CommandLineError(f"{PROGRAM} trace: the inputs break {violation.kind}")
+    fixture = fixture_for(config, options.seed, tokens, targets)
+    name = options.adapter or "reference"
     try:
-        return trace(config, options.seed, tokens, targets, as_json=options.format == "json")
-    except TraceRefused as error:
+        backend = load_backend(name, BackendOptions(backend_command=options.backend_command))
+    except BackendLoadError as error:
         raise CommandLineError(f"{PROGRAM} trace: {error}") from error
+    try:
+        evidence = collect_trace(backend, fixture)
+        text = trace_json(evidence.run) if options.format == "json" else render_trace(evidence)
+        if options.diff:
+            reference = run_record(load_backend("reference"), fixture)
+            tolerance = tolerance_for(backend.precision).values
+            departure = first_departure(evidence.run, reference, tolerance)
+            verdict = (
+                str(departure)
+                if departure is not None
+                else f"no departure from the reference beyond {tolerance:.0e}"
+            )
+            text += verdict + "\n"
+    except Refusal as refusal:
+        raise CommandLineError(f"{PROGRAM} trace: backend {name} refused: {refusal}") from refusal
+    finally:
+        close = getattr(backend, "close", None)
+        if callable(close):
+            close()
+    return text
 
 
 def _run_suite(options: argparse.Namespace) -> str:
-    """Run the suite; its progress and the rule table go straight to the terminal."""
+    """Run the suite; its progress and the rule table go to the terminal as they come."""
     import shlex
     from importlib.util import find_spec
     from pathlib import Path
@@ -373,21 +480,61 @@ def _run_suite(options: argparse.Namespace) -> str:
         folder = Path(target).resolve().parent if target else None
         if folder is not None and not folder.is_dir():
             raise CommandLineError(f"{PROGRAM} run: {flag} {target}: no folder {folder}")
+    try:
+        pytest_args = shlex.split(options.pytest_args)
+    except ValueError as error:
+        raise CommandLineError(f"{PROGRAM} run: --pytest-args: {error}") from None
     report = run_suite(
         options.adapter,
         profile=options.profile,
+        rules=options.rule,
+        max_examples=options.max_examples,
+        seed=options.seed,
         backend_command=options.backend_command,
         backend_timeout=options.backend_timeout,
         xfails_file=options.xfails_file,
+        skips_file=options.skips_file,
         json_report=options.json,
         markdown_report=options.markdown,
+        repro_dir=options.repro_dir,
+        contract_check=not options.no_contract_check,
         workers=options.workers,
-        pytest_args=shlex.split(options.pytest_args),
-        capture=False,
+        pytest_args=pytest_args,
+        stream=sys.stdout,
+        color=sys.stdout.isatty(),
     )
+    if report.error:
+        print(report.error, file=sys.stderr)
     if report.status:
         raise _SuiteExit(report.status)
     return ""
+
+
+def _run_check_adapter(options: argparse.Namespace) -> str:
+    import os
+
+    from conformance.adapter import BackendLoadError, BackendOptions, load_backend
+    from conformance.contract import check_contract
+    from conformance.session import DEFAULT_ADAPTER, ENVIRONMENT_VARIABLE
+
+    name = options.adapter or os.environ.get(ENVIRONMENT_VARIABLE) or DEFAULT_ADAPTER
+    try:
+        backend = load_backend(name, BackendOptions(backend_command=options.backend_command))
+    except BackendLoadError as error:
+        raise CommandLineError(f"{PROGRAM} check-adapter: {error}") from error
+    try:
+        found = check_contract(backend)
+    finally:
+        close = getattr(backend, "close", None)
+        if callable(close):
+            close()
+    header = f"adapter {name!r}: backend {backend.name} {backend.version} ({backend.precision})"
+    if not found:
+        return f"{header}: the adapter contract holds\n"
+    lines = [f"{header}: {len(found)} contract violations"]
+    lines += [f"  {violation}" for violation in found]
+    print("\n".join(lines), file=sys.stderr)
+    raise _SuiteExit(1)
 
 
 class _SuiteExit(Exception):
@@ -500,6 +647,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], str]] = {
     "bench": _run_bench,
     "golden": _run_golden,
     "mutants": _run_mutants,
+    "check-adapter": _run_check_adapter,
     "report": _run_report,
     "rules": _run_rules,
     "tolerances": _run_tolerances,

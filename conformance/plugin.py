@@ -1,34 +1,41 @@
 """The pytest plugin: options, fixtures and the hooks that tie tests to rules.
 
-Registered as a ``pytest11`` entry point. Everything it does is inert unless conformance
-tests are collected; the work lives in :mod:`conformance.session` and
+Registered as a ``pytest11`` entry point. Everything it does is inert unless the run is
+aimed at the conformance suite; the work lives in :mod:`conformance.session` and
 :mod:`conformance.report`, imported when needed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from conformance.profiles import PROFILES, select_profile
 
 if TYPE_CHECKING:
-    from conformance.adapter import Backend
     from conformance.checks import Judge
+    from conformance.guard import GuardedBackend
     from conformance.session import SuiteSession
     from spec.tolerances import Tolerance
 
 _SESSION: pytest.StashKey[SuiteSession] = pytest.StashKey()
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"{text} is not a positive integer")
+    return value
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("decoder-conformance", "decoder conformance suite")
     group.addoption(
         "--adapter",
-        help="backend to check: a registered adapter name or package.module:attribute "
-        "(default: $DECODER_CONFORMANCE_ADAPTER, else 'reference')",
+        help="backend to check: a registered adapter name, package.module:attribute, or "
+        "path/to/file.py:attribute (default: $DECODER_CONFORMANCE_ADAPTER, else 'reference')",
     )
     group.addoption("--backend-command", help="command that starts a subprocess backend")
     group.addoption(
@@ -42,21 +49,48 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="expected failures: one test-id prefix or rule ID per line, '#' comments",
     )
     group.addoption(
+        "--skips-file",
+        help="tests not to run (they crash or hang): one test-id prefix or rule ID per line",
+    )
+    group.addoption(
+        "--rule",
+        action="append",
+        metavar="ID",
+        help="run only this rule (repeatable; globs such as 'ERR-*')",
+    )
+    group.addoption(
         "--conformance-profile",
         choices=sorted(PROFILES),
         default="default",
         help="hypothesis profile of the suite: ci (small, derandomized), default, thorough",
     )
+    group.addoption(
+        "--conformance-max-examples",
+        type=_positive_int,
+        help="examples a property runs (default: the profile's)",
+    )
+    group.addoption(
+        "--no-contract-check",
+        action="store_true",
+        help="run the rule tests even when the adapter breaks its contract",
+    )
     group.addoption("--conformance-json", help="write the rule-by-rule report as JSON here")
     group.addoption("--conformance-markdown", help="write the rule-by-rule report as Markdown here")
+    group.addoption("--repro-dir", help="write a reproduction script per failed rule here")
+    group.addoption(
+        "--conformance-error-file",
+        help="where a run that cannot start writes its one-line reason (for the runner)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "rule(rule_id): the spec rule a conformance test checks")
-    config.addinivalue_line(
-        "markers", "needs(*capabilities): backend capabilities the test cannot run without"
+    seed = config.getoption("hypothesis_seed", None)
+    select_profile(
+        config.getoption("conformance_profile"),
+        max_examples=config.getoption("conformance_max_examples"),
+        seed=None if seed is None else int(seed),
     )
-    select_profile(config.getoption("conformance_profile"))
     for option in ("conformance_json", "conformance_markdown"):
         target = config.getoption(option)
         if target:
@@ -95,63 +129,86 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
         others = [item for item in items if not _is_conformance_test(item)]
         items[:] = ordered + others
+    deselected = []
+    kept = []
     for item in items:
         if not _is_conformance_test(item):
+            kept.append(item)
             continue
         rule_id = session.rule_of(item)
+        if session.contract_broken or not session.selected(rule_id):
+            deselected.append(item)
+            continue
+        kept.append(item)
         item.user_properties.append(("rule", rule_id))
+        item.extra_keyword_matches.add(rule_id)  # so that -k TIE-OUTPUT-ROLE selects it
+        if session.skips is not None:
+            reason = session.skips.reason_for(item, rule_id)
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
         if session.expected_failures is not None:
             reason = session.expected_failures.reason_for(item, rule_id)
             if reason is not None:
                 item.add_marker(pytest.mark.xfail(reason=reason, strict=False))
-    if session.expected_failures is not None:
-        for number, entry in session.expected_failures.unmatched():
-            item_warning = pytest.PytestConfigWarning(
-                f"{session.expected_failures.path.name} line {number} ({entry!r}) matches no test"
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
+    for listed in (session.expected_failures, session.skips):
+        if listed is None or session.contract_broken:
+            continue
+        for number, entry in listed.unmatched():
+            warning = pytest.PytestConfigWarning(
+                f"{listed.path.name} line {number} ({entry!r}) matches no test"
             )
-            config.issue_config_time_warning(item_warning, stacklevel=2)
-
-
-def pytest_report_header(config: pytest.Config) -> list[str] | None:
-    if not any("conformance" in str(arg) for arg in config.args):
-        return None
-    identity = config.stash[_SESSION].identity()
-    return [
-        f"decoder-conformance {identity.suite_version}: backend {identity.backend} "
-        f"{identity.backend_version}, precision {identity.precision}, profile {identity.profile}",
-        f"capabilities: {', '.join(identity.capabilities) or 'none'}",
-    ]
+            config.issue_config_time_warning(warning, stacklevel=2)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if not _is_conformance_test(item):
         return
-    backend = item.config.stash[_SESSION].backend
-    begin_test = getattr(backend, "begin_test", None)
-    if callable(begin_test):
-        begin_test()  # a backend may keep per-test state, such as a remembered fault
-    for marker in item.iter_markers("needs"):
-        for capability in marker.args:
-            if capability not in backend.capabilities:
-                pytest.skip(f"needs capability '{capability}', which backend {backend.name} lacks")
+    session = item.config.stash[_SESSION]
+    backend = session.backend
+    backend.begin_test()  # a new test forgets an earlier adapter error or process fault
+    from spec.rules import rule
+
+    for capability in rule(session.rule_of(item)).needs:
+        if capability not in backend.capabilities:
+            pytest.skip(f"needs capability '{capability}', which backend {backend.name} lacks")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None]:
+    """An adapter fault is reported by its message alone: what raised, where, on what call."""
+    outcome: Any = yield
+    if call.excinfo is not None and _is_conformance_test(item):
+        from conformance.guard import AdapterFault
+
+        if call.excinfo.errisinstance(AdapterFault):
+            outcome.get_result().longrepr = str(call.excinfo.value)
 
 
 @pytest.fixture(scope="session")
-def backend(pytestconfig: pytest.Config) -> Backend:
-    """The backend under test."""
+def backend(pytestconfig: pytest.Config) -> GuardedBackend:
+    """The backend under test, its adapter's own errors reported as adapter errors."""
     return pytestconfig.stash[_SESSION].backend
 
 
 @pytest.fixture(scope="session")
-def tolerance(backend: Backend) -> Tolerance:
+def tolerance(backend: GuardedBackend) -> Tolerance:
     """Value and gradient tolerances for the backend's declared precision."""
     from spec.tolerances import tolerance_for
 
     return tolerance_for(backend.precision)
 
 
+@pytest.fixture(scope="session")
+def contract_violations(pytestconfig: pytest.Config) -> list[str]:
+    """Every way the adapter breaks its contract (checked once a run)."""
+    return pytestconfig.stash[_SESSION].contract_lines()
+
+
 @pytest.fixture
-def judge(request: pytest.FixtureRequest, backend: Backend) -> Generator[Judge, None, None]:
+def judge(request: pytest.FixtureRequest, backend: GuardedBackend) -> Generator[Judge, None, None]:
     """Checks for the rule the test names, failing in the suite's message shape."""
     from conformance.checks import Judge
 

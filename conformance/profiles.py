@@ -1,16 +1,19 @@
 """Hypothesis profiles of the conformance suite: ``ci``, ``default`` and ``thorough``.
 
 The plugin selects one before the test modules are imported; each property then takes its
-settings from :func:`suite_settings`, so the project's own tests keep their profiles.
+settings from :func:`suite_settings`, so the project's own tests keep their profiles. A run
+is reproducible from its profile, its example count and its seed alone: no example database
+is read or written, and each failing property reports one failure, the first it minimized.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from hypothesis import HealthCheck, Phase, settings
 
-__all__ = ["PROFILES", "active_profile", "select_profile", "suite_settings"]
+__all__ = ["PROFILES", "Selection", "active", "select_profile", "suite_settings"]
 
 # The judge fixture is stateless, so sharing it across examples is safe.
 _QUIET_CHECKS = [
@@ -20,37 +23,62 @@ _QUIET_CHECKS = [
     HealthCheck.function_scoped_fixture,
 ]
 
-PROFILES: dict[str, settings] = {
-    # Derandomized and small: the same examples every run, for CI and quick checks.
-    "ci": settings(
-        max_examples=15,
-        derandomize=True,
+
+def _profile(examples: int, *, derandomize: bool) -> settings:
+    return settings(
+        max_examples=examples,
+        derandomize=derandomize,
         database=None,
         deadline=None,
         print_blob=True,
+        report_multiple_bugs=False,
         suppress_health_check=_QUIET_CHECKS,
-    ),
-    "default": settings(
-        max_examples=150, deadline=None, print_blob=True, suppress_health_check=_QUIET_CHECKS
-    ),
-    "thorough": settings(
-        max_examples=300, deadline=None, print_blob=True, suppress_health_check=_QUIET_CHECKS
-    ),
+    )
+
+
+PROFILES: dict[str, settings] = {
+    # Derandomized and small: the same examples every run, for CI and quick checks.
+    "ci": _profile(15, derandomize=True),
+    "default": _profile(150, derandomize=False),
+    "thorough": _profile(300, derandomize=False),
 }
 
-_active = "default"
+
+@dataclass(frozen=True)
+class Selection:
+    """The profile a run uses, and what the command line changed in it."""
+
+    name: str = "default"
+    max_examples: int | None = None
+    seed: int | None = None
+
+    @property
+    def examples(self) -> int:
+        """Examples a property of cost 1 runs."""
+        return self.max_examples or PROFILES[self.name].max_examples
+
+    @property
+    def derandomized(self) -> bool:
+        """Whether examples come from each test's own fixed seed (no seed given to ``ci``)."""
+        return self.seed is None and PROFILES[self.name].derandomize
 
 
-def select_profile(name: str) -> None:
-    """Make ``name`` the profile of every property defined from now on."""
+_active = Selection()
+
+
+def select_profile(name: str, *, max_examples: int | None = None, seed: int | None = None) -> None:
+    """Make ``name`` (with an example count or a seed, when given) the profile of every
+    property defined from now on; a seed turns derandomization off."""
     global _active  # noqa: PLW0603 - one process-wide choice, made once by the plugin
     if name not in PROFILES:
         raise ValueError(f"unknown conformance profile {name!r}; choose from {', '.join(PROFILES)}")
-    _active = name
+    if max_examples is not None and max_examples < 1:
+        raise ValueError(f"max_examples must be at least 1, got {max_examples}")
+    _active = Selection(name, max_examples, seed)
 
 
-def active_profile() -> str:
-    """The selected profile's name."""
+def active() -> Selection:
+    """The selected profile."""
     return _active
 
 
@@ -61,8 +89,13 @@ def suite_settings(*, cost: int = 1) -> settings:
     the first failure is reported as found (the mutant catalogue needs verdicts, not minimal
     counterexamples).
     """
-    chosen = PROFILES[_active]
+    chosen = PROFILES[_active.name]
     phases = chosen.phases
     if os.environ.get("DECODER_CONFORMANCE_NO_SHRINK") == "1":
         phases = tuple(phase for phase in phases if phase is not Phase.shrink)
-    return settings(chosen, max_examples=max(2, chosen.max_examples // cost), phases=phases)
+    return settings(
+        chosen,
+        max_examples=max(2, _active.examples // cost),
+        derandomize=_active.derandomized,
+        phases=phases,
+    )

@@ -1,50 +1,93 @@
 """Rule-by-rule results: gathered from test reports, rendered as a table, JSON or Markdown.
 
-JSON schema (``schema_version`` 1)::
+JSON schema (``schema_version`` 2)::
 
     {
-      "schema": "decoder-conformance-report", "schema_version": 1,
+      "schema": "decoder-conformance-report", "schema_version": 2,
       "backend": str, "backend_version": str, "precision": str, "capabilities": [str],
-      "suite_version": str, "profile": str,
+      "suite_version": str, "profile": str, "examples": int, "seed": int | null,
+      "environment": {"python": str, "numpy": str, "hypothesis": str, "pytest": str,
+                      "platform": str},
+      "contract": {"checked": bool, "violations": [str]},
       "summary": {"passed": int, "failed": int, "skipped": int, "xfailed": int,
                   "xpassed": int, "untested": int},
       "rules": [{"id": str, "category": str, "statement": str, "status": str,
-                 "duration": float, "tests": int, "message": str}]
+                 "duration": float, "tests": int, "message": str,
+                 "results": [{"test": str, "outcome": str, "duration": float}],
+                 "reproduction": str | null}]
     }
 
-``status`` is one of ``passed``, ``failed``, ``skipped``, ``xfailed`` (failed, but listed as
-expected), ``xpassed`` (listed as expected, yet passed) and ``untested`` (no test ran).
-``message`` holds the first failure, or the skip reason, or is empty.
+``status`` is one of ``passed``, ``failed``, ``skipped``, ``xfailed`` (listed as expected to
+fail, and at least one test did; ``message`` then starts with how many passed), ``xpassed``
+(listed as expected, yet every test passed), and ``untested`` (no test ran). ``message``
+holds the first failure, or the skip reason, or is empty. ``seed`` is null for a
+derandomized run (profile ``ci``), whose examples are fixed per test. ``reproduction`` is a
+script that reruns the first failing test and exits 1 while it fails.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from spec.rules import RULES
 
 __all__ = [
+    "OUTCOMES",
     "STATUSES",
     "Report",
     "ReportError",
     "RuleResult",
     "RuleTally",
     "SuiteIdentity",
+    "TestResult",
+    "clean_message",
+    "first_line",
     "render_json",
     "render_markdown",
     "render_table",
+    "terminal_safe",
 ]
 
+SCHEMA = "decoder-conformance-report"
+SCHEMA_VERSION = 2
 STATUSES = ("passed", "failed", "skipped", "xfailed", "xpassed", "untested")
-# When a rule's tests end differently, the worst outcome is the rule's.
-_SEVERITY = {"failed": 5, "xpassed": 4, "xfailed": 3, "passed": 2, "skipped": 1, "untested": 0}
+OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed")
+DETAIL_WIDTH = 120
+
+# A rule's own first line: "[RULE-ID] what=got, but should be ..." or an adapter error.
+_OWN_LINE = re.compile(r"^(\[[A-Z0-9]+(?:-[A-Z0-9]+)+\] |adapter error in )", re.M)
+_WORKER_BANNER = re.compile(r"^\[gw\d+\] \S+ -- Python .*\n?", re.M)
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def clean_message(text: str) -> str:
+    """A test's failure text, the same for the same failure in every run: no worker banner,
+    no object addresses, starting at the rule's own line when there is one."""
+    text = _ADDRESS.sub("", _WORKER_BANNER.sub("", text))
+    own = _OWN_LINE.search(text)
+    return (text[own.start() :] if own else text).strip()
+
+
+def first_line(message: str, width: int | None = None) -> str:
+    """The first line of a message, cut to ``width`` with an ellipsis."""
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    if width is not None and len(line) > width:
+        return line[: width - 1] + "\u2026"
+    return line
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with control characters (newlines, terminal escapes) shown, not obeyed."""
+    return _CONTROL.sub(lambda match: repr(match.group(0))[1:-1], text)
 
 
 @dataclass
 class SuiteIdentity:
-    """Who was checked, by which suite, at which profile."""
+    """Who was checked, by which suite, with which profile, seed and environment."""
 
     backend: str
     backend_version: str
@@ -52,6 +95,18 @@ class SuiteIdentity:
     capabilities: list[str]
     suite_version: str
     profile: str
+    examples: int = 0
+    seed: int | None = None
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class TestResult:
+    """One test's final outcome."""
+
+    test: str
+    outcome: str
+    duration: float
 
 
 @dataclass
@@ -65,6 +120,27 @@ class RuleResult:
     duration: float = 0.0
     tests: int = 0
     message: str = ""
+    results: list[TestResult] = field(default_factory=list)
+    reproduction: str | None = None
+
+    def count(self, outcome: str) -> int:
+        """How many of the rule's tests ended in ``outcome``."""
+        return sum(1 for result in self.results if result.outcome == outcome)
+
+    def first_failed_test(self) -> str | None:
+        """The first test that failed (or xfailed), for its reproduction."""
+        for result in self.results:
+            if result.outcome in ("failed", "xfailed"):
+                return result.test
+        return None
+
+
+def _status(result: RuleResult) -> str:
+    """Failed if any test failed; listed failures that partly pass are still xfailed."""
+    for status in ("failed", "xfailed", "xpassed", "passed", "skipped"):
+        if result.count(status):
+            return status
+    return "untested"
 
 
 @dataclass
@@ -76,20 +152,25 @@ class RuleTally:
             r.id: RuleResult(r.id, str(r.category), r.statement) for r in RULES
         }
     )
+    _messages: dict[str, dict[str, str]] = field(default_factory=dict)
 
-    def record(self, rule_id: str, outcome: str, duration: float, message: str) -> None:
+    def record(
+        self, rule_id: str, outcome: str, duration: float, message: str, test: str = ""
+    ) -> None:
         """Fold one test's outcome into its rule."""
         result = self.results[rule_id]
         result.duration += duration
         result.tests += 1
-        if _SEVERITY[outcome] > _SEVERITY[result.status] or (
-            result.status == "untested" and outcome == "skipped"
-        ):
-            result.status = outcome
-            if outcome != "passed":
-                result.message = message
-        elif outcome == result.status and not result.message and outcome != "passed":
-            result.message = message
+        result.results.append(TestResult(test, outcome, round(duration, 6)))
+        messages = self._messages.setdefault(rule_id, {})
+        if message and outcome != "passed":
+            messages.setdefault(outcome, message)
+        result.status = _status(result)
+        own = messages.get(result.status, "")
+        if result.status == "xfailed" and result.count("xpassed"):
+            passed = result.count("xpassed")
+            own = f"{passed} of {result.count('xfailed') + passed} passed; {own}"
+        result.message = own
 
     def summary(self) -> dict[str, int]:
         """How many rules ended in each status."""
@@ -97,6 +178,120 @@ class RuleTally:
         for result in self.results.values():
             counts[result.status] += 1
         return counts
+
+
+def _counts_line(counts: dict[str, int]) -> str:
+    return ", ".join(f"{count} {status}" for status, count in counts.items() if count)
+
+
+def _status_text(result: RuleResult) -> str:
+    if result.status == "xfailed" and result.count("xpassed"):
+        passed = result.count("xpassed")
+        return f"xfailed, {passed} of {passed + result.count('xfailed')} passed"
+    return result.status
+
+
+def render_table(tally: RuleTally, identity: SuiteIdentity) -> str:
+    """A plain-text table: one rule per line, then the counts."""
+    results = list(tally.results.values())
+    id_width = max(len(r.id) for r in results)
+    status_width = max(8, *(len(_status_text(r)) for r in results))
+    lines = [
+        f"decoder-conformance {identity.suite_version}: backend "
+        f"{terminal_safe(identity.backend)} {terminal_safe(identity.backend_version)} "
+        f"({identity.precision}), profile {identity.profile}",
+        f"{'RULE':<{id_width}}  {'STATUS':<{status_width}}  {'TIME':>7}  DETAIL",
+    ]
+    for result in results:
+        detail = "" if result.status == "passed" else first_line(result.message, DETAIL_WIDTH)
+        lines.append(
+            f"{result.id:<{id_width}}  {_status_text(result):<{status_width}}  "
+            f"{result.duration:>6.2f}s  {terminal_safe(detail)}".rstrip()
+        )
+    lines.append(_counts_line(tally.summary()))
+    return "\n".join(lines) + "\n"
+
+
+def _document(
+    tally: RuleTally, identity: SuiteIdentity, contract: list[str] | None
+) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "backend": identity.backend,
+        "backend_version": identity.backend_version,
+        "precision": identity.precision,
+        "capabilities": identity.capabilities,
+        "suite_version": identity.suite_version,
+        "profile": identity.profile,
+        "examples": identity.examples,
+        "seed": identity.seed,
+        "environment": identity.environment,
+        "contract": {"checked": contract is not None, "violations": list(contract or [])},
+        "summary": tally.summary(),
+        "rules": [
+            {
+                "id": r.id,
+                "category": r.category,
+                "statement": r.statement,
+                "status": r.status,
+                "duration": round(r.duration, 6),
+                "tests": r.tests,
+                "message": r.message,
+                "results": [
+                    {"test": t.test, "outcome": t.outcome, "duration": t.duration}
+                    for t in r.results
+                ],
+                "reproduction": r.reproduction,
+            }
+            for r in tally.results.values()
+        ],
+    }
+
+
+def render_json(
+    tally: RuleTally, identity: SuiteIdentity, contract: list[str] | None = None
+) -> str:
+    """The report as JSON (schema in this module's docstring)."""
+    return json.dumps(_document(tally, identity, contract), indent=2) + "\n"
+
+
+def _cell(text: str) -> str:
+    return terminal_safe(text).replace("|", "\\|")
+
+
+def render_markdown(
+    tally: RuleTally, identity: SuiteIdentity, contract: list[str] | None = None
+) -> str:
+    """The report as Markdown: a table, then every failure with its message and reproduction."""
+    seed = "derandomized" if identity.seed is None else f"seed {identity.seed}"
+    lines = [
+        f"# Conformance report: {_cell(identity.backend)} {_cell(identity.backend_version)}",
+        "",
+        f"Precision {identity.precision}; "
+        f"capabilities: {', '.join(identity.capabilities) or 'none'}; "
+        f"suite {identity.suite_version}; profile {identity.profile} "
+        f"({identity.examples} examples a property, {seed}).",
+        "",
+        "| rule | category | status | time (s) | detail |",
+        "|---|---|---|---:|---|",
+    ]
+    for r in tally.results.values():
+        detail = "" if r.status == "passed" else _cell(first_line(r.message, DETAIL_WIDTH))
+        lines.append(
+            f"| `{r.id}` | {r.category} | {_status_text(r)} | {r.duration:.2f} | {detail} |"
+        )
+    lines += ["", _counts_line(tally.summary())]
+    if contract:
+        lines += ["", "## Adapter contract", "", *(f"- {_cell(v)}" for v in contract)]
+    failures = [r for r in tally.results.values() if r.status in ("failed", "xfailed")]
+    if failures:
+        lines += ["", "## Failures"]
+    for r in failures:
+        lines += ["", f"### `{r.id}` ({_status_text(r)})", "", "```text", r.message, "```"]
+        if r.reproduction:
+            lines += ["", "Reproduction:", "", "```python", r.reproduction.rstrip(), "```"]
+    return "\n".join(lines) + "\n"
 
 
 class ReportError(ValueError):
@@ -107,15 +302,17 @@ class ReportError(ValueError):
 class Report:
     """What one run of the suite found: who was checked, every rule's result, the verdict.
 
-    ``status`` is the run's exit status: 0 when no rule failed, 1 when one did, anything else
-    when the run itself could not complete (pytest's usage errors, an adapter that cannot
-    be loaded: 4). ``output`` is what the run printed, when it was captured.
+    ``status`` is the run's exit status: 0 when no rule failed, 1 when one did, 2 when the
+    adapter could not be loaded (``error`` says why), anything else when pytest itself could
+    not run. ``output`` is what the run printed.
     """
 
     status: int
     identity: SuiteIdentity | None = None
     rules: list[RuleResult] = field(default_factory=list)
     output: str = ""
+    error: str = ""
+    contract: list[str] = field(default_factory=list)
 
     @property
     def summary(self) -> dict[str, int]:
@@ -141,8 +338,13 @@ class Report:
         """The report a :func:`render_json` document describes."""
         try:
             document = json.loads(text)
-            if document.get("schema") != "decoder-conformance-report":
+            if not isinstance(document, dict) or document.get("schema") != SCHEMA:
                 raise ReportError(f"not a decoder-conformance report: {text[:80]!r}")
+            if document.get("schema_version") != SCHEMA_VERSION:
+                raise ReportError(
+                    f"report schema version {document.get('schema_version')!r}, "
+                    f"but this suite reads {SCHEMA_VERSION}"
+                )
             identity = SuiteIdentity(
                 backend=str(document["backend"]),
                 backend_version=str(document["backend_version"]),
@@ -150,6 +352,9 @@ class Report:
                 capabilities=[str(c) for c in document["capabilities"]],
                 suite_version=str(document["suite_version"]),
                 profile=str(document["profile"]),
+                examples=int(document["examples"]),
+                seed=None if document["seed"] is None else int(document["seed"]),
+                environment={str(k): str(v) for k, v in document["environment"].items()},
             )
             rules = [
                 RuleResult(
@@ -160,85 +365,17 @@ class Report:
                     duration=float(r["duration"]),
                     tests=int(r["tests"]),
                     message=str(r["message"]),
+                    results=[
+                        TestResult(str(t["test"]), str(t["outcome"]), float(t["duration"]))
+                        for t in r["results"]
+                    ],
+                    reproduction=None if r["reproduction"] is None else str(r["reproduction"]),
                 )
                 for r in document["rules"]
             ]
+            contract = [str(v) for v in document["contract"]["violations"]]
+        except ReportError:
+            raise
         except (AttributeError, KeyError, TypeError, ValueError) as error:
-            if isinstance(error, ReportError):
-                raise
             raise ReportError(f"malformed report ({type(error).__name__}: {error})") from None
-        return cls(status, identity, rules, output)
-
-
-def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else ""
-
-
-def render_table(tally: RuleTally, identity: SuiteIdentity) -> str:
-    """A plain-text table: one rule per line, then the counts."""
-    results = list(tally.results.values())
-    id_width = max(len(r.id) for r in results)
-    lines = [
-        f"decoder-conformance {identity.suite_version}: backend {identity.backend} "
-        f"{identity.backend_version} ({identity.precision}), profile {identity.profile}",
-        f"{'RULE':<{id_width}}  {'STATUS':<8}  {'TIME':>7}  DETAIL",
-    ]
-    for result in results:
-        detail = _first_line(result.message) if result.status != "passed" else ""
-        lines.append(
-            f"{result.id:<{id_width}}  {result.status:<8}  {result.duration:>6.2f}s  {detail}"[:220]
-        )
-    counts = tally.summary()
-    lines.append(", ".join(f"{count} {status}" for status, count in counts.items() if count))
-    return "\n".join(lines) + "\n"
-
-
-def _document(tally: RuleTally, identity: SuiteIdentity) -> dict[str, Any]:
-    return {
-        "schema": "decoder-conformance-report",
-        "schema_version": 1,
-        "backend": identity.backend,
-        "backend_version": identity.backend_version,
-        "precision": identity.precision,
-        "capabilities": identity.capabilities,
-        "suite_version": identity.suite_version,
-        "profile": identity.profile,
-        "summary": tally.summary(),
-        "rules": [
-            {
-                "id": r.id,
-                "category": r.category,
-                "statement": r.statement,
-                "status": r.status,
-                "duration": round(r.duration, 6),
-                "tests": r.tests,
-                "message": r.message,
-            }
-            for r in tally.results.values()
-        ],
-    }
-
-
-def render_json(tally: RuleTally, identity: SuiteIdentity) -> str:
-    """The report as JSON (schema in this module's docstring)."""
-    return json.dumps(_document(tally, identity), indent=2) + "\n"
-
-
-def render_markdown(tally: RuleTally, identity: SuiteIdentity) -> str:
-    """The report as a Markdown table."""
-    lines = [
-        f"# Conformance report: {identity.backend} {identity.backend_version}",
-        "",
-        f"Precision {identity.precision}; "
-        f"capabilities: {', '.join(identity.capabilities) or 'none'}; "
-        f"suite {identity.suite_version}; profile {identity.profile}.",
-        "",
-        "| rule | category | status | time (s) | detail |",
-        "|---|---|---|---:|---|",
-    ]
-    for r in tally.results.values():
-        detail = _first_line(r.message).replace("|", "\\|") if r.status != "passed" else ""
-        lines.append(f"| `{r.id}` | {r.category} | {r.status} | {r.duration:.2f} | {detail} |")
-    counts = tally.summary()
-    lines += ["", ", ".join(f"{count} {status}" for status, count in counts.items() if count)]
-    return "\n".join(lines) + "\n"
+        return cls(status, identity, rules, output, contract=contract)

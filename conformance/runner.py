@@ -1,20 +1,26 @@
 """The one way to run the suite: :func:`run_suite` checks a backend and returns a :class:`Report`.
 
-The command line, the mutant catalogue and the project's own tests all call it. Each run
-is a fresh ``python -m pytest --pyargs conformance`` process with the suite's plugin: the
+The command line, the reproduction scripts, the mutant catalogue and the project's own tests
+all call it. Each run is a fresh ``python -m pytest`` process with the suite's plugin: the
 hypothesis profile is chosen before the rule tests are imported, one backend's state cannot
 leak into the next run, and the caller's working directory is on the import path, so
-``--adapter my_backend:MyBackend`` finds ``my_backend.py`` there.
+``my_backend:MyBackend`` finds ``my_backend.py`` there. A run that cannot start (an adapter
+that cannot be loaded) ends with one line in ``Report.error`` and status 2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TextIO
 
 import conformance
 from conformance.profiles import PROFILES
@@ -30,6 +36,8 @@ THREAD_VARIABLES = (
     "OPENBLAS_NUM_THREADS",
     "MKL_NUM_THREADS",
 )
+# The plugin's first line once the backend is loaded and its contract checked.
+_STARTED = f"decoder-conformance {conformance.__version__}: checking "
 
 
 def thread_environment(threads: int) -> dict[str, str]:
@@ -37,15 +45,23 @@ def thread_environment(threads: int) -> dict[str, str]:
     return dict.fromkeys(THREAD_VARIABLES, str(threads))
 
 
+def _targets(tests: Sequence[str] | None) -> list[str]:
+    """The package, or the files of the given node IDs (``conformance/test_x.py::test_y``)."""
+    if not tests:
+        return ["--pyargs", "conformance"]
+    parent = Path(conformance.__file__).resolve().parent.parent
+    return [str(parent / test) for test in tests]
+
+
 def _pytest_arguments(
     adapter: str | None,
     profile: str,
     report_path: Path,
+    error_path: Path,
     *,
-    backend_command: str | None,
-    backend_timeout: float,
-    xfails_file: str | os.PathLike[str] | None,
-    markdown_report: str | os.PathLike[str] | None,
+    tests: Sequence[str] | None,
+    options: Mapping[str, str | os.PathLike[str] | None],
+    flags: Sequence[str],
     workers: int,
     pytest_args: Sequence[str],
 ) -> list[str]:
@@ -53,24 +69,68 @@ def _pytest_arguments(
     arguments = [
         # The user's own pytest configuration must not change what the suite checks.
         "-c", os.devnull, "--rootdir", str(package_parent), "-p", "no:cacheprovider",
-        "-p", "no:randomly",
-        "--pyargs", "conformance", "-q",
+        "-p", "no:randomly", *_targets(tests), "-q",
         "--conformance-profile", profile,
         "--conformance-json", str(report_path),
-        "--backend-timeout", str(backend_timeout),
+        "--conformance-error-file", str(error_path),
     ]  # fmt: skip
-    for flag, value in (
-        ("--adapter", adapter),
-        ("--conformance-markdown", markdown_report),
-        ("--xfails-file", xfails_file),
-        ("--backend-command", backend_command),
-    ):
-        if value:
+    if adapter:
+        arguments += ["--adapter", adapter]
+    for flag, value in options.items():
+        if value is not None and value != "":
             arguments += [flag, os.fspath(value)]
+    arguments += list(flags)
     if workers:
         # Work stealing evens out the long tail of oracle-heavy properties.
         arguments += ["-n", str(workers), "--dist", "worksteal"]
     return arguments + list(pytest_args)
+
+
+class _Output:
+    """The child's output, kept whole, passed on to ``stream`` once the run has started."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream = stream
+        self.lines: list[str] = []
+        self.started = False
+        self.held = 0  # lines kept back until the run started (or until the end)
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+        if self.stream is None:
+            return
+        if not self.started and line.startswith(_STARTED):
+            self.started = True
+            self.stream.writelines(self.lines[self.held :])
+            self.held = len(self.lines)
+            self.stream.flush()
+        elif self.started:
+            self.stream.write(line)
+            self.stream.flush()
+
+    def finish(self, *, show_held: bool) -> str:
+        if self.stream is not None and not self.started and show_held:
+            self.stream.writelines(self.lines)
+            self.stream.flush()
+        return "".join(self.lines)
+
+
+def _pump(process: subprocess.Popen[str], output: _Output) -> None:
+    assert process.stdout is not None
+    for line in process.stdout:
+        output.add(line)
+
+
+def _stop(process: subprocess.Popen[str], first: signal.Signals) -> None:
+    """Signal the run's whole process group, then kill what is left of it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, first)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def run_suite(
@@ -80,29 +140,39 @@ def run_suite(
     backend_command: str | None = None,
     backend_timeout: float = 60.0,
     xfails_file: str | os.PathLike[str] | None = None,
+    skips_file: str | os.PathLike[str] | None = None,
+    rules: Sequence[str] = (),
+    tests: Sequence[str] | None = None,
+    max_examples: int | None = None,
+    seed: int | None = None,
     json_report: str | os.PathLike[str] | None = None,
     markdown_report: str | os.PathLike[str] | None = None,
+    repro_dir: str | os.PathLike[str] | None = None,
     workers: int = 0,
+    contract_check: bool = True,
     pytest_args: Sequence[str] = (),
     shrink: bool = True,
     environment: Mapping[str, str] | None = None,
-    capture: bool = True,
+    stream: TextIO | None = None,
+    color: bool = False,
     timeout: float | None = None,
     cwd: str | os.PathLike[str] | None = None,
 ) -> Report:
-    """Check a backend against every rule and return the rule-by-rule :class:`Report`.
+    """Check a backend against every rule (or ``rules``, IDs or globs; or ``tests``, node
+    IDs) and return the rule-by-rule :class:`Report`.
 
-    ``adapter`` is a registered name or ``module:attribute`` (default: the environment
-    variable ``DECODER_CONFORMANCE_ADAPTER``, else the reference). With ``capture`` the run's
-    output is kept in ``Report.output``; without it, it goes to this process's terminal.
-    ``workers`` > 0 runs on that many processes (pytest-xdist), each computing on one
-    thread. ``shrink=False`` reports the first failing example as found, without minimizing
-    it (for verdicts, as the mutant catalogue needs). ``environment`` adds variables to the
-    run's environment. Past ``timeout`` seconds the run is stopped and reported with status
-    124.
+    ``adapter`` is a registered name, ``module:attribute`` or ``file.py:attribute``
+    (default: ``$DECODER_CONFORMANCE_ADAPTER``, else the reference). The run's output is
+    kept in ``Report.output`` and, when ``stream`` is given, written there as it comes.
+    A profile that is not derandomized gets a seed (drawn here when none is given), so
+    every run can be repeated. ``workers`` > 0 runs on that many processes (pytest-xdist),
+    each computing on one thread. ``shrink=False`` reports the first failing example as
+    found. Past ``timeout`` seconds the run is stopped (status 124).
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; choose from {', '.join(PROFILES)}")
+    if seed is None and not PROFILES[profile].derandomize:
+        seed = random.SystemRandom().randrange(2**32)
     variables = dict(os.environ)
     if workers:
         for name, value in thread_environment(1).items():
@@ -110,8 +180,24 @@ def run_suite(
     if not shrink:
         variables["DECODER_CONFORMANCE_NO_SHRINK"] = "1"
     variables.update(environment or {})
+    flags = [f"--rule={pattern}" for pattern in rules]
+    if not contract_check:
+        flags.append("--no-contract-check")
+    if color:
+        flags.append("--color=yes")
     with tempfile.TemporaryDirectory(prefix="decoder-conformance-") as scratch:
         report_path = Path(json_report) if json_report else Path(scratch) / "report.json"
+        error_path = Path(scratch) / "error.txt"
+        options = {
+            "--conformance-markdown": markdown_report,
+            "--xfails-file": xfails_file,
+            "--skips-file": skips_file,
+            "--backend-command": backend_command,
+            "--backend-timeout": str(backend_timeout),
+            "--conformance-max-examples": None if max_examples is None else str(max_examples),
+            "--hypothesis-seed": None if seed is None else str(seed),
+            "--repro-dir": repro_dir,
+        }
         command = [
             sys.executable,
             "-m",
@@ -120,47 +206,55 @@ def run_suite(
                 adapter,
                 profile,
                 report_path,
-                backend_command=backend_command,
-                backend_timeout=backend_timeout,
-                xfails_file=xfails_file,
-                markdown_report=markdown_report,
+                error_path,
+                tests=tests,
+                options=options,
+                flags=flags,
                 workers=workers,
                 pytest_args=pytest_args,
             ),
         ]
         stale = report_path.stat().st_mtime_ns if report_path.exists() else None
+        output = _Output(stream)
+        process = subprocess.Popen(
+            command,
+            env=variables,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            start_new_session=True,  # its own process group: stopped whole
+        )
+        reader = threading.Thread(target=_pump, args=(process, output), daemon=True)
+        reader.start()
         try:
-            finished = subprocess.run(
-                command,
-                env=variables,
-                cwd=cwd,
-                capture_output=capture,
-                text=True,
-                timeout=timeout,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as expired:
-            output = _text(expired.stdout) + _text(expired.stderr)
-            return Report(124, output=output + f"\nthe run took longer than {timeout:g} s")
-        output = (finished.stdout or "") + (finished.stderr or "") if capture else ""
-        status = finished.returncode
+            status = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(process, signal.SIGTERM)
+            reader.join(timeout=10)
+            text = output.finish(show_held=True)
+            return Report(124, output=text, error=f"the run took longer than {timeout:g} s")
+        except KeyboardInterrupt:
+            _stop(process, signal.SIGINT)
+            reader.join(timeout=10)
+            raise
+        reader.join(timeout=10)
+        error = error_path.read_text(encoding="utf-8").strip() if error_path.exists() else ""
+        text = output.finish(show_held=not error)
         written = report_path.exists() and report_path.stat().st_mtime_ns != stale
-        if not written:
-            return Report(status if status else 3, output=output)
+        if error or not written:
+            return Report(status if status else 3, output=text, error=error)
         try:
             report = Report.from_json(
-                report_path.read_text(encoding="utf-8"), status=status, output=output
+                report_path.read_text(encoding="utf-8"), status=status, output=text
             )
-        except ReportError as error:
-            return Report(3, output=f"{output}\n{error}")
-    # pytest's own failure (a usage error, an unloadable adapter) keeps its status; else
-    # the verdict is the rules': 1 when one failed.
+        except ReportError as problem:
+            return Report(3, output=text, error=str(problem))
+    # pytest's own failure (a usage error) keeps its status; else the verdict is the rules':
+    # 1 when one failed.
     if status in (0, 1):
         report.status = 1 if report.failed() else 0
     return report
-
-
-def _text(value: str | bytes | None) -> str:
-    if value is None:
-        return ""
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value

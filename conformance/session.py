@@ -1,33 +1,59 @@
-"""The state of one conformance run: the backend, the expected failures, the rule tally."""
+"""The state of one conformance run: the backend, its contract, the listed tests, the tally.
+
+The backend is loaded, and its adapter contract checked, once, before the first test (in
+the controller under pytest-xdist, which hands the contract's verdict to its workers). A
+backend that cannot be loaded ends the run with one line and status 2; a broken contract
+fails ``ADAPTER-CONTRACT`` (and the rule each violation breaks) and no other test runs,
+unless ``--no-contract-check`` asks for them anyway.
+"""
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
+import platform
+import sys
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
 from conformance import __version__
 from conformance.adapter import Backend, BackendLoadError, BackendOptions, load_backend
 from conformance.files import write_atomically
-from conformance.profiles import active_profile
-from conformance.report import RuleTally, SuiteIdentity, render_json, render_markdown, render_table
+from conformance.guard import GuardedBackend
+from conformance.profiles import active
+from conformance.report import (
+    RuleTally,
+    SuiteIdentity,
+    clean_message,
+    render_json,
+    render_markdown,
+    render_table,
+    terminal_safe,
+)
+from conformance.repro import reproduction_script, write_scripts
 from spec.rules import RULES
 
 __all__ = [
+    "CONTRACT_RULE",
     "DEFAULT_ADAPTER",
     "ENVIRONMENT_VARIABLE",
-    "ExpectedFailures",
+    "ListedTests",
     "SuiteSession",
+    "is_suite_run",
     "outcome",
     "stable_id",
 ]
 
 DEFAULT_ADAPTER = "reference"
 ENVIRONMENT_VARIABLE = "DECODER_CONFORMANCE_ADAPTER"
+CONTRACT_RULE = "ADAPTER-CONTRACT"
 _RULE_IDS = {rule.id for rule in RULES}
+_WORKER_KEY = "decoder_conformance_contract"
 
 
 def stable_id(item: pytest.Item) -> str:
@@ -35,30 +61,47 @@ def stable_id(item: pytest.Item) -> str:
     return f"{Path(str(item.path)).name}::{item.name}"
 
 
+def is_suite_run(config: pytest.Config) -> bool:
+    """Whether this pytest run is aimed at the conformance suite (not the project's tests)."""
+    import conformance
+
+    package = Path(conformance.__file__).resolve().parent
+    for argument in config.args:
+        target = str(argument).split("::")[0]
+        if target == "conformance" or target.startswith("conformance."):
+            return True
+        path = Path(target).resolve()
+        if path == package or package in path.parents:
+            return True
+    return False
+
+
 @dataclass
-class ExpectedFailures:
-    """An expected-failures file: one test-id prefix or rule ID per line, ``#`` comments."""
+class ListedTests:
+    """An xfails or skips file: one test-id prefix or rule ID per line, ``#`` comments."""
 
     path: Path
+    option: str
     entries: list[tuple[int, str]] = field(default_factory=list)
     matched: set[int] = field(default_factory=set)
 
     @classmethod
-    def read(cls, path: Path) -> ExpectedFailures:
+    def read(cls, path: Path, option: str = "--xfails-file") -> ListedTests:
         """Parse the file; an unreadable file is a usage error naming the path."""
         try:
             text = path.read_text(encoding="utf-8")
-        except OSError as error:
-            raise pytest.UsageError(f"--xfails-file {path}: {error.strerror or error}") from error
+        except (OSError, UnicodeDecodeError) as error:
+            reason = getattr(error, "strerror", None) or error
+            raise pytest.UsageError(f"{option} {path}: {reason}") from error
         entries = []
         for number, line in enumerate(text.splitlines(), start=1):
             content = line.split("#", 1)[0].strip()
             if content:
                 entries.append((number, content))
-        return cls(path, entries)
+        return cls(path, option, entries)
 
     def reason_for(self, item: pytest.Item, rule_id: str) -> str | None:
-        """Why ``item`` is expected to fail, when some line matches it."""
+        """Why ``item`` is listed, when some line matches it."""
         identity = stable_id(item)
         for number, entry in self.entries:
             if entry == rule_id or identity.startswith(entry):
@@ -71,10 +114,18 @@ class ExpectedFailures:
         return [(number, entry) for number, entry in self.entries if number not in self.matched]
 
 
+def _package_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 class SuiteSession:
-    """Loads the backend once, on first use, and keeps the run's results."""
+    """Loads the backend once, checks its contract, and keeps the run's results."""
 
     def __init__(self, config: pytest.Config) -> None:
+        self.config = config
         self.adapter = (
             config.getoption("adapter") or os.environ.get(ENVIRONMENT_VARIABLE) or DEFAULT_ADAPTER
         )
@@ -83,31 +134,63 @@ class SuiteSession:
             timeout=config.getoption("backend_timeout"),
         )
         xfails = config.getoption("xfails_file")
-        self.expected_failures = ExpectedFailures.read(Path(xfails)) if xfails else None
+        skips = config.getoption("skips_file")
+        self.expected_failures = ListedTests.read(Path(xfails)) if xfails else None
+        self.skips = ListedTests.read(Path(skips), "--skips-file") if skips else None
+        self.rule_patterns: list[str] = list(config.getoption("rule") or [])
+        self.contract_enabled = not config.getoption("no_contract_check")
+        self.contract: list[dict[str, Any]] | None = None  # None: not checked
         self.tally = RuleTally()
         self.ran = False
         self._backend: Backend | None = None
+        self._guarded: GuardedBackend | None = None
 
+    # ------------------------------------------------------------------ the backend
     @property
-    def backend(self) -> Backend:
-        """The backend under test; a failure to load it ends the run with one clear message."""
+    def backend(self) -> GuardedBackend:
+        """The backend under test, as the rule tests see it."""
+        if self._guarded is None:
+            self._guarded = GuardedBackend(self._load())
+        return self._guarded
+
+    def _load(self) -> Backend:
         if self._backend is None:
             try:
                 self._backend = load_backend(self.adapter, self.options)
             except BackendLoadError as error:
-                pytest.exit(f"decoder-conformance: {error}", returncode=4)
+                self._fail_to_start(f"decoder-conformance: {error}", status=2)
         return self._backend
+
+    def _fail_to_start(self, line: str, *, status: int) -> NoReturn:
+        """End the run before any test, with one line on stderr (and in the error file)."""
+        line = terminal_safe(line)
+        error_file = self.config.getoption("conformance_error_file")
+        if error_file:
+            Path(error_file).write_text(line + "\n", encoding="utf-8")
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        pytest.exit(line, returncode=status)
 
     def identity(self) -> SuiteIdentity:
         """The report header's facts."""
-        backend = self.backend
+        backend = self._load()
+        selection = active()
         return SuiteIdentity(
-            backend=backend.name,
-            backend_version=backend.version,
+            backend=str(backend.name),
+            backend_version=str(backend.version),
             precision=str(backend.precision),
             capabilities=sorted(str(c) for c in backend.capabilities),
             suite_version=__version__,
-            profile=active_profile(),
+            profile=selection.name,
+            examples=selection.examples,
+            seed=None if selection.derandomized else selection.seed,
+            environment={
+                "python": platform.python_version(),
+                "numpy": _package_version("numpy"),
+                "hypothesis": _package_version("hypothesis"),
+                "pytest": _package_version("pytest"),
+                "platform": platform.platform(terse=True),
+            },
         )
 
     @staticmethod
@@ -123,7 +206,100 @@ class SuiteSession:
             raise pytest.UsageError(f"{item.nodeid} names unknown rule {rule_id!r}")
         return str(rule_id)
 
+    def selected(self, rule_id: str) -> bool:
+        """Whether ``--rule`` (IDs or globs such as ``ERR-*``) lets the rule run."""
+        return not self.rule_patterns or any(
+            fnmatch.fnmatchcase(rule_id, pattern.upper()) for pattern in self.rule_patterns
+        )
+
+    # ------------------------------------------------------------------ the contract
+    @property
+    def contract_broken(self) -> bool:
+        """Whether the contract was checked here (or in the controller) and failed."""
+        return bool(self.contract) and self.contract_enabled
+
+    def contract_lines(self) -> list[str]:
+        """The contract's violations, checked now unless they were before the run."""
+        if self.contract is None:
+            from conformance.contract import check_contract
+
+            self.contract = [{"line": str(v), "rule": v.rule} for v in check_contract(self._load())]
+        return [entry["line"] for entry in self.contract]
+
+    def check_contract(self) -> None:
+        """Check the adapter contract once, and fold a broken one into the tally."""
+        from conformance.contract import check_contract
+
+        found = check_contract(self._load())
+        self.contract = [{"line": str(v), "rule": v.rule} for v in found]
+        if not found:
+            return
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        text = "\n".join(f"  {v}" for v in found)
+        self.tally.record(
+            CONTRACT_RULE,
+            "failed",
+            0.0,
+            f"[{CONTRACT_RULE}] adapter contract: {found[0]}{more}\n{text}",
+            "contract",
+        )
+        for violation in found:
+            if violation.rule is not None:
+                self.tally.record(
+                    violation.rule,
+                    "failed",
+                    0.0,
+                    f"[{violation.rule}] adapter contract: {violation}",
+                    "contract",
+                )
+        self.ran = True
+
+    def announce(self, terminal: Any) -> None:
+        """The line that says what is checked, and what the contract check found."""
+        identity = self.identity()
+        seed = "derandomized" if identity.seed is None else f"seed {identity.seed}"
+        if self.contract is None:
+            contract = "not checked (--no-contract-check)"
+        elif not self.contract:
+            contract = "ok"
+        else:
+            count = len(self.contract)
+            contract = f"{count} violation{'s' if count > 1 else ''}"
+            if self.contract_enabled:
+                contract += ", so no rule test runs (--no-contract-check runs them anyway)"
+        terminal.write_line(
+            f"decoder-conformance {identity.suite_version}: checking "
+            f"{terminal_safe(identity.backend)} {terminal_safe(identity.backend_version)} "
+            f"({identity.precision}); profile {identity.profile}, {identity.examples} examples "
+            f"a property, {seed}; adapter contract: {contract}"
+        )
+        terminal.write_line(f"capabilities: {', '.join(identity.capabilities) or 'none'}")
+        for entry in self.contract or []:
+            terminal.write_line(f"  contract: {terminal_safe(entry['line'])}")
+
     # ------------------------------------------------------------------ pytest hooks
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """Load the backend and check its contract before anything runs."""
+        config = session.config
+        if not is_suite_run(config):
+            return
+        worker = getattr(config, "workerinput", None)
+        if worker is not None:
+            self.contract = json.loads(worker.get(_WORKER_KEY, "null"))
+            return
+        self._load()
+        if self.contract_enabled:
+            self.check_contract()
+        terminal = config.pluginmanager.get_plugin("terminalreporter")
+        if terminal is not None:
+            self.announce(terminal)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node: Any) -> None:
+        """Hand the contract's verdict to an xdist worker."""
+        node.workerinput[_WORKER_KEY] = json.dumps(self.contract)
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Fold each conformance test's final outcome into its rule."""
         rule_id = dict(report.user_properties).get("rule")
@@ -131,8 +307,12 @@ class SuiteSession:
         if verdict is None:
             return
         self.ran = True
-        message = report.longreprtext if verdict in ("failed", "xpassed") else _skip_reason(report)
-        self.tally.record(str(rule_id), verdict, report.duration, message)
+        text = report.longreprtext if verdict in ("failed", "xfailed") else _skip_reason(report)
+        if verdict == "xpassed":
+            text = ""
+        self.tally.record(
+            str(rule_id), verdict, report.duration, clean_message(text), report.nodeid
+        )
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """The rule table after pytest's own summary."""
@@ -140,17 +320,45 @@ class SuiteSession:
             terminalreporter.section("decoder-conformance rules")
             terminalreporter.write(render_table(self.tally, self.identity()))
 
+    def _reproductions(self) -> dict[str, str]:
+        scripts = {}
+        selection = active()
+        for result in self.tally.results.values():
+            test = result.first_failed_test()
+            if test is None or test == "contract":
+                continue
+            result.reproduction = reproduction_script(
+                rule_id=result.id,
+                message=result.message,
+                test=test,
+                adapter=self.adapter,
+                backend_command=self.options.backend_command,
+                backend_timeout=self.options.timeout,
+                profile=selection.name,
+                max_examples=selection.max_examples,
+                seed=selection.seed,
+            )
+            scripts[result.id] = result.reproduction
+        return scripts
+
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        """Write the JSON and Markdown reports (on the controller only, under xdist)."""
+        """Reproductions, the JSON and Markdown reports (on the controller only)."""
         if hasattr(session.config, "workerinput") or not self.ran:
             return
+        if self.contract_broken:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        scripts = self._reproductions()
+        repro_dir = session.config.getoption("repro_dir")
+        if repro_dir and scripts:
+            write_scripts(Path(repro_dir), scripts)
+        contract = None if self.contract is None else [entry["line"] for entry in self.contract]
         for option, render in (
             ("conformance_json", render_json),
             ("conformance_markdown", render_markdown),
         ):
             target = session.config.getoption(option)
             if target:
-                write_atomically(Path(target), render(self.tally, self.identity()))
+                write_atomically(Path(target), render(self.tally, self.identity(), contract))
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         """Let a backend that owns resources (a process, a device) release them."""

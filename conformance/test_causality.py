@@ -35,6 +35,8 @@ def test_changing_token_t_leaves_earlier_rows_bitwise_unchanged(
     before = backend.forward(model, scenario.tokens).logits
     after = backend.forward(model, changed).logits
     check = judge.on(scenario.case(changed_position=position, changed_tokens=changed))
+    check.finite("logits", before)
+    check.finite(f"logits after changing token {position}", after)
     for earlier in range(position):
         same = before[:, earlier].tobytes() == after[:, earlier].tobytes()
         worst = float(np.max(np.abs(before[:, earlier] - after[:, earlier])))
@@ -56,8 +58,10 @@ def test_changing_token_t_changes_row_t(
     model = scenario.build(backend)
     before = backend.forward(model, scenario.tokens).logits[:, position]
     after = backend.forward(model, changed).logits[:, position]
-    moved = bool(np.all(np.any(before != after, axis=-1)))
     check = judge.on(scenario.case(changed_position=position, changed_tokens=changed))
+    check.finite(f"logit row {position}", before)
+    check.finite(f"logit row {position} after changing token {position}", after)
+    moved = bool(np.all(np.any(before != after, axis=-1)))
     check.check(moved, f"logit row {position} changed in every sequence", moved, True)
 
 

@@ -32,7 +32,6 @@ def _bytes(listed: list[tuple[str, FloatArray]]) -> list[tuple[str, bytes]]:
 
 
 @pytest.mark.rule("DET-REPLAY")
-@pytest.mark.needs(Capability.SEEDED_INIT)
 @suite_settings()
 @given(scenario=scenarios())
 def test_same_seed_same_model(backend: Backend, judge: Judge, scenario: Scenario) -> None:
@@ -45,11 +44,11 @@ def test_same_seed_same_model(backend: Backend, judge: Judge, scenario: Scenario
         False,
         True,
     )
-    same = (
-        backend.forward(first, scenario.tokens).logits.tobytes()
-        == backend.forward(second, scenario.tokens).logits.tobytes()
+    check.same_bits(
+        "logits of the second model",
+        backend.forward(second, scenario.tokens).logits,
+        backend.forward(first, scenario.tokens).logits,
     )
-    check.check(same, "logits bitwise equal", same, True)
 
 
 @pytest.mark.rule("DET-REPEAT")
@@ -59,30 +58,23 @@ def test_same_call_same_answer(backend: Backend, judge: Judge, scenario: Scenari
     model = scenario.build(backend)
     check = judge.on(scenario.case())
     first, second = (backend.forward(model, scenario.tokens).logits for _ in range(2))
-    check.check(
-        first.tobytes() == second.tobytes(),
-        "logits of a repeated forward bitwise equal",
-        False,
-        True,
-    )
+    check.same_bits("logits of a repeated forward", second, first)
     one, two = (backend.loss(model, scenario.tokens, scenario.targets) for _ in range(2))
-    check.check(one.loss == two.loss, "loss of a repeated call", two.loss, one.loss)
+    loss_check = judge.on(scenario.case("backend.loss(model, tokens, targets)"))
+    loss_check.same_bits("loss of a repeated call", np.float64(two.loss), np.float64(one.loss))
     if Capability.GRADIENTS in backend.capabilities:
         for name, gradient in (one.gradients or {}).items():
             again = (two.gradients or {}).get(name)
-            same = (
-                again is not None and np.asarray(gradient).tobytes() == np.asarray(again).tobytes()
-            )
-            check.check(
-                same,
-                f"gradient of {name} on a repeated call bitwise equal (not accumulated)",
-                same,
-                True,
+            if again is None:
+                loss_check.fail(f"gradient of {name} on a repeated call", "missing", "present")
+            loss_check.same_bits(
+                f"gradient of {name} on a repeated call (not accumulated)",
+                np.asarray(again),
+                np.asarray(gradient),
             )
 
 
 @pytest.mark.rule("INIT-RECIPE")
-@pytest.mark.needs(Capability.SEEDED_INIT)
 @suite_settings()
 @given(scenario=scenarios())
 def test_initialization_follows_the_recipe(
@@ -102,7 +94,6 @@ def test_initialization_follows_the_recipe(
 
 
 @pytest.mark.rule("INIT-STREAM-ADVANCE")
-@pytest.mark.needs(Capability.STREAM_INIT)
 @suite_settings()
 @given(scenario=scenarios())
 def test_stream_advances_by_the_matrix_scalars(
@@ -120,7 +111,6 @@ def test_stream_advances_by_the_matrix_scalars(
 
 
 @pytest.mark.rule("TXN-INIT")
-@pytest.mark.needs(Capability.STREAM_INIT, Capability.CONFIG_ERRORS)
 @suite_settings()
 @given(pair=invalid_configs(), seed=st.integers(0, 2**64 - 1))
 def test_refused_construction_leaves_the_stream(
@@ -134,7 +124,6 @@ def test_refused_construction_leaves_the_stream(
 
 
 @pytest.mark.rule("TXN-CALL")
-@pytest.mark.needs(Capability.INPUT_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), data=st.data())
 def test_refused_calls_change_nothing(
@@ -162,16 +151,12 @@ def test_refused_calls_change_nothing(
         True,
     )
     result_after = backend.loss(model, scenario.tokens, scenario.targets)
-    check.check(
-        result_after.loss == result_before.loss,
-        "loss after refused calls",
-        result_after.loss,
-        result_before.loss,
+    check.same_bits(
+        "loss after refused calls", np.float64(result_after.loss), np.float64(result_before.loss)
     )
     for name, gradient in (result_before.gradients or {}).items():
         again = np.asarray((result_after.gradients or {}).get(name))
-        same = again.tobytes() == np.asarray(gradient).tobytes()
-        check.check(same, f"gradient of {name} after refused calls bitwise unchanged", same, True)
+        check.same_bits(f"gradient of {name} after refused calls", again, np.asarray(gradient))
 
 
 @pytest.mark.rule("REBUILD-ROUNDTRIP")
@@ -180,10 +165,8 @@ def test_refused_calls_change_nothing(
 def test_rebuild_from_own_parameters(backend: Backend, judge: Judge, scenario: Scenario) -> None:
     model = scenario.build(backend)
     rebuilt = backend.build(scenario.config, backend.parameters(model))
-    same = (
-        backend.forward(model, scenario.tokens).logits.tobytes()
-        == backend.forward(rebuilt, scenario.tokens).logits.tobytes()
-    )
-    judge.on(scenario.case("backend.build(config, backend.parameters(model))")).check(
-        same, "logits after a rebuild bitwise equal", same, True
+    judge.on(scenario.case("backend.build(config, backend.parameters(model))")).same_bits(
+        "logits after a rebuild",
+        backend.forward(rebuilt, scenario.tokens).logits,
+        backend.forward(model, scenario.tokens).logits,
     )

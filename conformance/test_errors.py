@@ -50,7 +50,6 @@ def _refuse_build(
 
 
 @pytest.mark.rule("ERR-CONFIG-KIND")
-@pytest.mark.needs(Capability.CONFIG_ERRORS)
 @pytest.mark.parametrize("kind", CONFIG_KINDS, ids=str)
 @suite_settings()
 @given(data=st.data())
@@ -62,7 +61,6 @@ def test_each_configuration_rule_has_its_kind(
 
 
 @pytest.mark.rule("ERR-CONFIG-ORDER")
-@pytest.mark.needs(Capability.CONFIG_ERRORS)
 @pytest.mark.parametrize(("earlier", "later"), config_rule_pairs(), ids=str)
 @suite_settings(cost=5)
 @given(data=st.data())
@@ -77,7 +75,6 @@ def test_first_broken_configuration_rule_wins(
 
 
 @pytest.mark.rule("ERR-CONFIG-DEPTH0")
-@pytest.mark.needs(Capability.CONFIG_ERRORS)
 @suite_settings()
 @given(pair=invalid_configs())
 def test_zero_block_configuration_is_validated(
@@ -105,7 +102,6 @@ def test_valid_configurations_build_and_run(
 
 
 @pytest.mark.rule("ERR-TOKEN-SHAPE")
-@pytest.mark.needs(Capability.INPUT_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), data=st.data())
 def test_malformed_token_arrays_are_refused(
@@ -126,7 +122,6 @@ def test_malformed_token_arrays_are_refused(
 
 
 @pytest.mark.rule("ERR-CONTEXT-LIMIT")
-@pytest.mark.needs(Capability.INPUT_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), extra=st.integers(1, 3))
 def test_context_capacity_is_enforced(
@@ -151,7 +146,6 @@ def test_context_capacity_is_enforced(
 
 
 @pytest.mark.rule("ERR-TOKEN-ID")
-@pytest.mark.needs(Capability.INPUT_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), data=st.data())
 def test_out_of_vocabulary_token_names_its_position(
@@ -178,7 +172,6 @@ def test_out_of_vocabulary_token_names_its_position(
 
 
 @pytest.mark.rule("ERR-TOKEN-ORDER")
-@pytest.mark.needs(Capability.INPUT_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), data=st.data())
 def test_token_checks_run_in_order(
@@ -210,7 +203,6 @@ def _token_rule_pairs(scenario: Scenario) -> list[tuple[Any, tuple[int, int] | N
 
 
 @pytest.mark.rule("ERR-TARGET-COUNT")
-@pytest.mark.needs(Capability.INPUT_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), change=st.sampled_from([-1, 1]))
 def test_targets_must_be_one_per_token(
@@ -234,7 +226,6 @@ def test_targets_must_be_one_per_token(
 
 
 @pytest.mark.rule("ERR-TARGET-ID")
-@pytest.mark.needs(Capability.INPUT_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), data=st.data())
 def test_out_of_vocabulary_target_names_its_position(
@@ -309,7 +300,6 @@ def _loss_rule_pairs(
 
 
 @pytest.mark.rule("ERR-LOSS-ORDER")
-@pytest.mark.needs(Capability.INPUT_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), data=st.data())
 def test_loss_checks_token_shape_then_targets_then_token_ids(
@@ -333,7 +323,6 @@ def test_loss_checks_token_shape_then_targets_then_token_ids(
 
 
 @pytest.mark.rule("ERR-SEED-EXAMPLES")
-@pytest.mark.needs(Capability.CONFIG_ERRORS, Capability.INPUT_ERRORS)
 def test_seed_examples_are_classified(backend: Backend, judge: Judge) -> None:
     config = FIXTURE.config
     model = backend.build(
@@ -403,7 +392,6 @@ def _rebuild_refusal(
 
 
 @pytest.mark.rule("ERR-REBUILD-COUNT")
-@pytest.mark.needs(Capability.REBUILD_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), data=st.data())
 def test_parameter_count_is_checked(
@@ -413,7 +401,6 @@ def test_parameter_count_is_checked(
 
 
 @pytest.mark.rule("ERR-REBUILD-NAMES")
-@pytest.mark.needs(Capability.REBUILD_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), data=st.data())
 def test_parameter_names_are_checked_before_shapes(
@@ -433,7 +420,6 @@ def test_parameter_names_are_checked_before_shapes(
 
 
 @pytest.mark.rule("ERR-REBUILD-SHAPES")
-@pytest.mark.needs(Capability.REBUILD_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), data=st.data())
 def test_parameter_shapes_are_checked(
@@ -443,7 +429,6 @@ def test_parameter_shapes_are_checked(
 
 
 @pytest.mark.rule("ERR-REBUILD-VALUES")
-@pytest.mark.needs(Capability.REBUILD_ERRORS)
 @suite_settings()
 @given(scenario=scenarios(), data=st.data())
 def test_non_finite_parameters_are_refused(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.adapter import Backend, Capability
+from conformance.adapter import Backend
 from conformance.checks import Case, Judge
 from conformance.golden import case_path, golden_directory, load_golden
 from spec.golden import GOLDEN_CASES, GoldenCase, GoldenError, GoldenRecord, case_by_name
@@ -62,7 +62,6 @@ def test_values_match_the_golden_case(
 
 
 @pytest.mark.rule("GOLDEN-GRADIENTS")
-@pytest.mark.needs(Capability.GRADIENTS)
 @pytest.mark.parametrize("name", NAMES)
 def test_gradients_match_the_golden_case(
     backend: Backend, judge: Judge, tolerance: Tolerance, name: str

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from conformance.adapter import Backend, Capability
+from conformance.adapter import Backend
 from conformance.cases import Scenario, scenarios
 from conformance.checks import Case, Judge
 from conformance.profiles import suite_settings
@@ -19,7 +19,6 @@ from spec.tolerances import Tolerance
 
 
 @pytest.mark.rule("GRAD-FINITE")
-@pytest.mark.needs(Capability.GRADIENTS)
 @suite_settings()
 @given(scenario=scenarios())
 def test_every_parameter_gets_a_finite_gradient(
@@ -44,7 +43,6 @@ def test_every_parameter_gets_a_finite_gradient(
 
 
 @pytest.mark.rule("GRAD-ORACLE")
-@pytest.mark.needs(Capability.GRADIENTS)
 @suite_settings(cost=2)
 @given(scenario=scenarios(full_context=True))
 def test_gradients_match_the_oracle(
@@ -64,7 +62,6 @@ def test_gradients_match_the_oracle(
 
 
 @pytest.mark.rule("GRAD-SEED-CHECK")
-@pytest.mark.needs(Capability.GRADIENTS)
 def test_seed_central_difference_check(backend: Backend, judge: Judge) -> None:
     """All 20 table and 4 gain coordinates of the zero-block probe: step 1e-6, tolerance 2e-5.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 
-from conformance.adapter import Backend, Capability
+from conformance.adapter import Backend
 from conformance.cases import Scenario, scenarios
 from conformance.checks import Judge
 from conformance.profiles import suite_settings
@@ -29,7 +29,6 @@ def _expected(scenario: Scenario) -> tuple[int, int, int]:
 
 
 @pytest.mark.rule("SHAPE-EMBEDDING")
-@pytest.mark.needs(Capability.STAGES)
 @suite_settings()
 @given(scenario=scenarios())
 def test_lookup_shape(backend: Backend, judge: Judge, scenario: Scenario) -> None:
@@ -41,7 +40,6 @@ def test_lookup_shape(backend: Backend, judge: Judge, scenario: Scenario) -> Non
 
 
 @pytest.mark.rule("SHAPE-BLOCKS")
-@pytest.mark.needs(Capability.STAGES)
 @suite_settings()
 @given(scenario=scenarios())
 def test_every_block_keeps_the_residual_shape(
@@ -58,7 +56,6 @@ def test_every_block_keeps_the_residual_shape(
 
 
 @pytest.mark.rule("SHAPE-FINAL-NORM")
-@pytest.mark.needs(Capability.STAGES)
 @suite_settings()
 @given(scenario=scenarios())
 def test_final_norm_shape(backend: Backend, judge: Judge, scenario: Scenario) -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.adapter import Backend, Capability, FloatArray
+from conformance.adapter import Backend, FloatArray
 from conformance.cases import Scenario, scenarios
 from conformance.checks import Judge
 from conformance.profiles import suite_settings
@@ -46,7 +46,6 @@ def _table_gradient(backend: Backend, scenario: Scenario, **detach: bool) -> Flo
 
 
 @pytest.mark.rule("TIE-GRADIENT-SUM")
-@pytest.mark.needs(Capability.GRADIENTS, Capability.TIED_ROLES)
 @suite_settings()
 @given(scenario=scenarios())
 def test_table_gradient_is_the_sum_of_both_roles(
@@ -67,7 +66,6 @@ def test_table_gradient_is_the_sum_of_both_roles(
 
 
 @pytest.mark.rule("TIE-OUTPUT-ROLE")
-@pytest.mark.needs(Capability.GRADIENTS, Capability.STAGES)
 @suite_settings()
 @given(scenario=scenarios(min_vocabulary=3, max_batch=2), data=st.data())
 def test_rows_never_looked_up_receive_the_output_role(

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["RULES", "Rule", "RuleCategory", "rule", "rules_in"]
+__all__ = ["RULES", "Capability", "Rule", "RuleCategory", "rule", "rules_in"]
 
 
 class RuleCategory(StrEnum):
     """What part of the model a rule is about."""
 
+    PROTOCOL = "protocol"
     CONFIGURATION = "configuration"
     INPUTS = "inputs"
     REBUILD = "rebuild"
@@ -33,14 +34,29 @@ class RuleCategory(StrEnum):
     GOLDEN = "golden"
 
 
+class Capability(StrEnum):
+    """An optional part of a backend; a rule that needs one the backend lacks is skipped."""
+
+    STAGES = "stages"  # forward returns every residual-stream stage, not only logits
+    GRADIENTS = "gradients"  # loss returns the gradient of every named parameter
+    TIED_ROLES = "tied-roles"  # loss can detach the lookup or the head use of the table
+    CONFIG_ERRORS = "config-errors"  # invalid configurations are refused with spec kinds
+    INPUT_ERRORS = "input-errors"  # invalid tokens and targets are refused with spec kinds
+    REBUILD_ERRORS = "rebuild-errors"  # invalid parameter lists are refused with spec kinds
+    SEEDED_INIT = "seeded-init"  # build_seeded(config, seed) follows the recipe
+    STREAM_INIT = "stream-init"  # initialize(config, stream) draws from a caller's stream
+
+
 @dataclass(frozen=True)
 class Rule:
-    """One rule: a stable ID, a one-line statement, a category and where the seed says it."""
+    """One rule: a stable ID, a one-line statement, a category, where the seed says it, and
+    the capabilities a backend needs for the rule to be checked at all."""
 
     id: str
     statement: str
     category: RuleCategory
     source: str
+    needs: tuple[Capability, ...] = ()
 
 
 # Where the seed chapter (or the recipe that completes it) states each rule.
@@ -57,27 +73,29 @@ _RECIPE = "RECIPE.md"
 
 # fmt: off
 C = RuleCategory
+K = Capability
 RULES: tuple[Rule, ...] = (
-    Rule("ERR-CONFIG-KIND", "Each configuration rule, broken alone, is refused with its own error kind.", C.CONFIGURATION, _CONFIG),
-    Rule("ERR-CONFIG-ORDER", "When several configuration rules are broken, the first in the documented order is reported.", C.CONFIGURATION, f"{_CONFIG}; {_RECIPE} 'Validation order'"),
-    Rule("ERR-CONFIG-DEPTH0", "A zero-block configuration is validated as strictly as a deep one.", C.CONFIGURATION, "seed: 'DecoderModelConfig validates all architecture settings even when N=0'"),
+    Rule("ADAPTER-CONTRACT", "The adapter returns what the protocol says: numpy arrays of its precision, stable names, every gradient in a dict, the refusals it declares.", C.PROTOCOL, "the adapter protocol (conformance/adapter.py, PROTOCOL.md)"),
+    Rule("ERR-CONFIG-KIND", "Each configuration rule, broken alone, is refused with its own error kind.", C.CONFIGURATION, _CONFIG, needs=(K.CONFIG_ERRORS,)),
+    Rule("ERR-CONFIG-ORDER", "When several configuration rules are broken, the first in the documented order is reported.", C.CONFIGURATION, f"{_CONFIG}; {_RECIPE} 'Validation order'", needs=(K.CONFIG_ERRORS,)),
+    Rule("ERR-CONFIG-DEPTH0", "A zero-block configuration is validated as strictly as a deep one.", C.CONFIGURATION, "seed: 'DecoderModelConfig validates all architecture settings even when N=0'", needs=(K.CONFIG_ERRORS,)),
     Rule("CONFIG-VALID-BUILDS", "Every configuration that breaks no rule builds and runs, depth 0 included.", C.CONFIGURATION, "seed: 'This implementation accepts zero, one, or more blocks'"),
-    Rule("ERR-TOKEN-SHAPE", "Token IDs that are not a non-empty [batch, tokens] integer array are refused with their kind.", C.INPUTS, _ERRORS),
-    Rule("ERR-CONTEXT-LIMIT", "A sequence longer than the context capacity is refused; one exactly as long is accepted.", C.INPUTS, _LAYER),
-    Rule("ERR-TOKEN-ID", "A token ID outside [0, V) is a vocabulary-input error naming its first flat position.", C.INPUTS, _ANSWERS),
-    Rule("ERR-TOKEN-ORDER", "Token checks run in order: dtype, rank, batch, length, context, overflow, count, then the first bad ID.", C.INPUTS, f"seed: validate_tokens; {_RECIPE} 'Validation order'"),
-    Rule("ERR-TARGET-COUNT", "A loss call without exactly one target per token is a target-shape error.", C.INPUTS, _ANSWERS),
-    Rule("ERR-TARGET-ID", "A target ID outside [0, V) is a target-ID error naming its first flat position.", C.INPUTS, _ERRORS),
-    Rule("ERR-LOSS-ORDER", "The loss checks the token shape (dtype to count) first, then target dtype, count and IDs, and only then the token IDs.", C.INPUTS, f"seed: 'loss first checks one valid target per token'; {_RECIPE} 'Validation order'"),
-    Rule("ERR-SEED-EXAMPLES", "Zero heads, a too-long sequence, token ID V and a missing target are configuration, context, vocabulary-input and target-shape failures.", C.INPUTS, _ANSWERS),
+    Rule("ERR-TOKEN-SHAPE", "Token IDs that are not a non-empty [batch, tokens] integer array are refused with their kind.", C.INPUTS, _ERRORS, needs=(K.INPUT_ERRORS,)),
+    Rule("ERR-CONTEXT-LIMIT", "A sequence longer than the context capacity is refused; one exactly as long is accepted.", C.INPUTS, _LAYER, needs=(K.INPUT_ERRORS,)),
+    Rule("ERR-TOKEN-ID", "A token ID outside [0, V) is a vocabulary-input error naming its first flat position.", C.INPUTS, _ANSWERS, needs=(K.INPUT_ERRORS,)),
+    Rule("ERR-TOKEN-ORDER", "Token checks run in order: dtype, rank, batch, length, context, overflow, count, then the first bad ID.", C.INPUTS, f"seed: validate_tokens; {_RECIPE} 'Validation order'", needs=(K.INPUT_ERRORS,)),
+    Rule("ERR-TARGET-COUNT", "A loss call without exactly one target per token is a target-shape error.", C.INPUTS, _ANSWERS, needs=(K.INPUT_ERRORS,)),
+    Rule("ERR-TARGET-ID", "A target ID outside [0, V) is a target-ID error naming its first flat position.", C.INPUTS, _ERRORS, needs=(K.INPUT_ERRORS,)),
+    Rule("ERR-LOSS-ORDER", "The loss checks the token shape (dtype to count) first, then target dtype, count and IDs, and only then the token IDs.", C.INPUTS, f"seed: 'loss first checks one valid target per token'; {_RECIPE} 'Validation order'", needs=(K.INPUT_ERRORS,)),
+    Rule("ERR-SEED-EXAMPLES", "Zero heads, a too-long sequence, token ID V and a missing target are configuration, context, vocabulary-input and target-shape failures.", C.INPUTS, _ANSWERS, needs=(K.CONFIG_ERRORS, K.INPUT_ERRORS,)),
     Rule("REBUILD-ROUNDTRIP", "Rebuilding from a model's own named parameter list reproduces its logits bitwise.", C.REBUILD, "seed: 'Stable order also defines one reusable decoder parameter layout'"),
-    Rule("ERR-REBUILD-COUNT", "A parameter list without exactly 2 + 9N tensors is refused as a count mismatch.", C.REBUILD, "seed: validate_parameter_layout"),
-    Rule("ERR-REBUILD-NAMES", "A parameter list with a wrong name is refused at the first mismatching index, before shapes are checked.", C.REBUILD, "seed: validate_parameter_layout"),
-    Rule("ERR-REBUILD-SHAPES", "A parameter of the wrong shape is refused at its index.", C.REBUILD, "seed: validate_parameter_layout"),
-    Rule("ERR-REBUILD-VALUES", "A parameter holding NaN or infinity is refused rather than silently propagated.", C.REBUILD, "project rule (not in the seed)"),
-    Rule("SHAPE-EMBEDDING", "The lookup E[z] has shape [B, T, d].", C.SHAPES, _AXES),
-    Rule("SHAPE-BLOCKS", "There is one block output per block, each of shape [B, T, d].", C.SHAPES, _AXES),
-    Rule("SHAPE-FINAL-NORM", "The final RMSNorm output has shape [B, T, d].", C.SHAPES, _AXES),
+    Rule("ERR-REBUILD-COUNT", "A parameter list without exactly 2 + 9N tensors is refused as a count mismatch.", C.REBUILD, "seed: validate_parameter_layout", needs=(K.REBUILD_ERRORS,)),
+    Rule("ERR-REBUILD-NAMES", "A parameter list with a wrong name is refused at the first mismatching index, before shapes are checked.", C.REBUILD, "seed: validate_parameter_layout", needs=(K.REBUILD_ERRORS,)),
+    Rule("ERR-REBUILD-SHAPES", "A parameter of the wrong shape is refused at its index.", C.REBUILD, "seed: validate_parameter_layout", needs=(K.REBUILD_ERRORS,)),
+    Rule("ERR-REBUILD-VALUES", "A parameter holding NaN or infinity is refused rather than silently propagated.", C.REBUILD, "project rule (not in the seed)", needs=(K.REBUILD_ERRORS,)),
+    Rule("SHAPE-EMBEDDING", "The lookup E[z] has shape [B, T, d].", C.SHAPES, _AXES, needs=(K.STAGES,)),
+    Rule("SHAPE-BLOCKS", "There is one block output per block, each of shape [B, T, d].", C.SHAPES, _AXES, needs=(K.STAGES,)),
+    Rule("SHAPE-FINAL-NORM", "The final RMSNorm output has shape [B, T, d].", C.SHAPES, _AXES, needs=(K.STAGES,)),
     Rule("SHAPE-LOGITS", "The logits have shape [B, T, V].", C.SHAPES, _AXES),
     Rule("SHAPE-PARAMETERS", "Each named parameter has the shape its name implies: [V,d], [d], [d,d], [d,f] or [f,d].", C.SHAPES, f"{_RECIPE} 'Parameter list'"),
     Rule("PARAM-COUNT", "The model owns Vd + N(4d^2 + 3df + 2d) + d scalars, Vd fewer than an untied model.", C.PARAMETERS, _FORMULA),
@@ -85,29 +103,29 @@ RULES: tuple[Rule, ...] = (
     Rule("PARAM-NAME-GRAMMAR", "Parameter names are unique lowercase ASCII letters, digits, '_' and '.', with no empty segment.", C.PARAMETERS, f"{_RECIPE} 'Parameter list'"),
     Rule("PARAM-NO-HEAD", "There is no lm_head or other output-head parameter, and no bias anywhere.", C.PARAMETERS, _ROLES),
     Rule("TIE-SINGLE-LEAF", "One table serves lookup and projection: changing its row v changes both E[v] and logit column v.", C.TYING, _ROLES),
-    Rule("TIE-GRADIENT-SUM", "The table's gradient is its lookup-role plus its output-role contribution, each measured with the other use detached.", C.TYING, _ROLES),
-    Rule("TIE-OUTPUT-ROLE", "The table's gradient includes the output role (rows never looked up receive it); a head that merely copies the table is not tied.", C.TYING, _ROLES),
+    Rule("TIE-GRADIENT-SUM", "The table's gradient is its lookup-role plus its output-role contribution, each measured with the other use detached.", C.TYING, _ROLES, needs=(K.GRADIENTS, K.TIED_ROLES,)),
+    Rule("TIE-OUTPUT-ROLE", "The table's gradient includes the output role (rows never looked up receive it); a head that merely copies the table is not tied.", C.TYING, _ROLES, needs=(K.GRADIENTS, K.STAGES,)),
     Rule("CAUSAL-PREFIX-BITWISE", "Changing only token t leaves every logit row before t bitwise unchanged (full-length runs).", C.CAUSALITY, _ANSWERS),
     Rule("CAUSAL-POSITION-CHANGES", "Changing token t changes logit row t.", C.CAUSALITY, _EVIDENCE),
     Rule("BATCH-INDEPENDENCE", "A sequence's logits do not depend on the other sequences in its batch.", C.BATCH, _FORMULA),
     Rule("DEPTH-ZERO-FORMULA", "With no blocks the logits are RMSNorm(E[z]) E^T.", C.DEPTH, _FORMULA),
-    Rule("DET-REPLAY", "The same configuration and seed give bitwise identical parameters and logits.", C.DETERMINISM, _EVIDENCE),
+    Rule("DET-REPLAY", "The same configuration and seed give bitwise identical parameters and logits.", C.DETERMINISM, _EVIDENCE, needs=(K.SEEDED_INIT,)),
     Rule("DET-REPEAT", "Running the same model on the same input twice gives bitwise identical logits, loss and gradients.", C.DETERMINISM, _EVIDENCE),
-    Rule("INIT-RECIPE", "Initial parameters for (config, seed) are the SplitMix64/Xavier draws in the stable order, gains at one.", C.INITIALIZATION, f"{_RECIPE} 'Initialization'"),
-    Rule("INIT-STREAM-ADVANCE", "Successful initialization advances the random stream by exactly the number of matrix scalars.", C.INITIALIZATION, f"{_RECIPE} 'Initialization'"),
-    Rule("TXN-INIT", "A refused construction leaves the caller's random stream exactly as it was.", C.TRANSACTIONS, "seed: 'Initialization uses a trial random stream'"),
-    Rule("TXN-CALL", "A refused forward or loss call leaves every parameter and accumulated gradient unchanged.", C.TRANSACTIONS, "project standard: bad input changes nothing"),
+    Rule("INIT-RECIPE", "Initial parameters for (config, seed) are the SplitMix64/Xavier draws in the stable order, gains at one.", C.INITIALIZATION, f"{_RECIPE} 'Initialization'", needs=(K.SEEDED_INIT,)),
+    Rule("INIT-STREAM-ADVANCE", "Successful initialization advances the random stream by exactly the number of matrix scalars.", C.INITIALIZATION, f"{_RECIPE} 'Initialization'", needs=(K.STREAM_INIT,)),
+    Rule("TXN-INIT", "A refused construction leaves the caller's random stream exactly as it was.", C.TRANSACTIONS, "seed: 'Initialization uses a trial random stream'", needs=(K.STREAM_INIT, K.CONFIG_ERRORS,)),
+    Rule("TXN-CALL", "A refused forward or loss call leaves every parameter and accumulated gradient unchanged.", C.TRANSACTIONS, "project standard: bad input changes nothing", needs=(K.INPUT_ERRORS,)),
     Rule("LOSS-MEAN-NLL", "The loss is the mean over all B*T positions of -log softmax(logits[b, t])[target[b, t]].", C.LOSS, _FORMULA),
-    Rule("VALUE-STAGES", "Every stage (lookup, each block, final norm) agrees with the high-precision oracle within tolerance.", C.VALUES, _FORMULA),
+    Rule("VALUE-STAGES", "Every stage (lookup, each block, final norm) agrees with the high-precision oracle within tolerance.", C.VALUES, _FORMULA, needs=(K.STAGES,)),
     Rule("VALUE-LOGITS", "The logits and the loss agree with the high-precision oracle within tolerance.", C.VALUES, _FORMULA),
     Rule("VALUE-SEED-FIXTURE", "The seed fixture's published stage rows, logits and loss are reproduced to six decimals.", C.VALUES, "seed: 'Inspect representative hidden rows and every logit'"),
-    Rule("GRAD-FINITE", "The loss gives every parameter tensor a finite gradient.", C.GRADIENTS, _GRADCHECK),
-    Rule("GRAD-ORACLE", "Every parameter scalar's gradient agrees with the high-precision oracle gradient within tolerance.", C.GRADIENTS, f"{_ROLES}; project rule (issue 6)"),
+    Rule("GRAD-FINITE", "The loss gives every parameter tensor a finite gradient.", C.GRADIENTS, _GRADCHECK, needs=(K.GRADIENTS,)),
+    Rule("GRAD-ORACLE", "Every parameter scalar's gradient agrees with the high-precision oracle gradient within tolerance.", C.GRADIENTS, f"{_ROLES}; project rule (issue 6)", needs=(K.GRADIENTS,)),
     Rule("GOLDEN-VALUES", "On every golden case, every stage, the logits and the loss match the golden file within tolerance.", C.GOLDEN, "golden/ (issue 5)"),
-    Rule("GOLDEN-GRADIENTS", "On every golden case, every parameter's gradient matches the golden file within tolerance.", C.GOLDEN, "golden/ (issue 5)"),
-    Rule("GRAD-SEED-CHECK", "The seed's central-difference check (step 1e-6, tolerance 2e-5) passes on its probe model.", C.GRADIENTS, _GRADCHECK),
+    Rule("GOLDEN-GRADIENTS", "On every golden case, every parameter's gradient matches the golden file within tolerance.", C.GOLDEN, "golden/ (issue 5)", needs=(K.GRADIENTS,)),
+    Rule("GRAD-SEED-CHECK", "The seed's central-difference check (step 1e-6, tolerance 2e-5) passes on its probe model.", C.GRADIENTS, _GRADCHECK, needs=(K.GRADIENTS,)),
 )
-del C
+del C, K
 # fmt: on
 
 _BY_ID = {entry.id: entry for entry in RULES}

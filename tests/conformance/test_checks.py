@@ -49,7 +49,17 @@ def test_close_fails_on_a_value_that_is_not_finite(bad: float) -> None:
     exact = np.array([1.0, 2.0])
     got = np.array([1.0, bad])
     message = failure(lambda: judge().close("loss", got, exact, 1.0))
-    assert "loss[1]=" in message and "1 of 2 elements over" in message
+    assert message == (
+        f"[SHAPE-LOGITS] loss[1]={bad!r} (not finite; 1 of 2 elements), but should be finite"
+    )
+
+
+def test_same_bits_compares_bits_and_sees_nan() -> None:
+    judge().same_bits("loss", np.float64(0.5), np.float64(0.5))
+    nan = failure(lambda: judge().same_bits("loss", np.float64("nan"), np.float64("nan")))
+    assert nan == "[SHAPE-LOGITS] loss=nan (not finite; 1 of 1 elements), but should be finite"
+    moved = failure(lambda: judge().same_bits("logits", np.ones(3) + 1e-16 * 2, np.ones(3)))
+    assert moved.startswith("[SHAPE-LOGITS] logits=different (by up to 2.220e-16)")
 
 
 def test_close_reports_a_shape_mismatch_before_values() -> None:

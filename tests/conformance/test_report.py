@@ -17,7 +17,9 @@ from conformance.report import (
 )
 from spec.rules import RULES
 
-IDENTITY = SuiteIdentity("my|backend", "1.0", "float64", ["stages"], "0.1.0", "ci")
+IDENTITY = SuiteIdentity(
+    "my|backend", "1.0", "float64", ["stages"], "0.1.0", "ci", 15, None, {"python": "3.11"}
+)
 
 
 def test_a_rule_takes_its_worst_outcome_and_first_message() -> None:
@@ -41,7 +43,8 @@ def test_a_rule_takes_its_worst_outcome_and_first_message() -> None:
         (["skipped", "skipped"], "skipped"),
         (["skipped", "passed"], "passed"),
         (["xfailed", "passed"], "xfailed"),
-        (["xfailed", "xpassed"], "xpassed"),
+        (["xfailed", "xpassed"], "xfailed"),
+        (["xpassed", "xpassed"], "xpassed"),
         (["xpassed", "failed"], "failed"),
         ([], "untested"),
     ],
@@ -81,17 +84,38 @@ def test_the_table_has_a_line_per_rule_with_the_first_line_of_a_failure() -> Non
     assert lines[-1] == f"{len(RULES) - 1} passed, 1 failed"
 
 
-def test_markdown_escapes_table_cells() -> None:
+def test_markdown_escapes_table_cells_and_lists_each_failure() -> None:
     text = render_markdown(_tally(), IDENTITY)
     assert "| `SHAPE-LOGITS` | shapes | failed | 0.51 | [SHAPE-LOGITS] shape \\| bad |" in text
-    assert text.startswith("# Conformance report: my|backend 1.0\n")
+    assert text.startswith("# Conformance report: my\\|backend 1.0\n")
+    failures = text[text.index("## Failures") :]
+    assert "### `SHAPE-LOGITS` (failed)" in failures
+    assert "```text\n[SHAPE-LOGITS] shape | bad\nreproduce with: ...\n```" in failures
+
+
+def test_a_listed_rule_that_partly_passes_stays_xfailed_and_says_so() -> None:
+    tally = RuleTally()
+    for _ in range(13):
+        tally.record("VALUE-STAGES", "xfailed", 0.0, "[VALUE-STAGES] off", "t")
+    tally.record("VALUE-STAGES", "xpassed", 0.0, "", "u")
+    result = tally.results["VALUE-STAGES"]
+    assert result.status == "xfailed"
+    assert result.message == "1 of 14 passed; [VALUE-STAGES] off"
+    assert "xfailed, 1 of 14 passed" in render_table(tally, IDENTITY)
+
+
+def test_the_detail_is_the_rule_s_own_first_line_cut_with_an_ellipsis() -> None:
+    tally = RuleTally()
+    tally.record("SHAPE-LOGITS", "failed", 0.0, "[SHAPE-LOGITS] " + "x" * 300, "t")
+    (line,) = [row for row in render_table(tally, IDENTITY).splitlines() if "SHAPE-LOGITS" in row]
+    assert line.endswith("\u2026") and len(line) < 200
 
 
 def test_json_reads_back_into_the_same_report() -> None:
     tally = _tally()
     text = render_json(tally, IDENTITY)
     document = json.loads(text)
-    assert document["schema"] == "decoder-conformance-report" and document["schema_version"] == 1
+    assert document["schema"] == "decoder-conformance-report" and document["schema_version"] == 2
     report = Report.from_json(text, status=1, output="printed")
     assert report.identity == IDENTITY
     assert [r.id for r in report.rules] == [rule.id for rule in RULES]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from conformance.session import ExpectedFailures, outcome
+from conformance.session import ListedTests, outcome
 
 
 def report(when: str, result: str, **extra: Any) -> pytest.TestReport:
@@ -43,7 +43,7 @@ def test_the_phase_that_decides_an_outcome(
 def test_an_xfails_file_matches_rule_ids_and_test_prefixes(tmp_path: Path) -> None:
     path = tmp_path / "xfails.txt"
     path.write_text("# known\nSHAPE-LOGITS  # by rule\n\ntest_values.py::test_logits\nstale::x\n")
-    listed = ExpectedFailures.read(path)
+    listed = ListedTests.read(path)
     assert listed.entries == [
         (2, "SHAPE-LOGITS"),
         (4, "test_values.py::test_logits"),
@@ -53,4 +53,4 @@ def test_an_xfails_file_matches_rule_ids_and_test_prefixes(tmp_path: Path) -> No
 
 def test_an_unreadable_xfails_file_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(pytest.UsageError, match="--xfails-file"):
-        ExpectedFailures.read(tmp_path / "missing.txt")
+        ListedTests.read(tmp_path / "missing.txt")

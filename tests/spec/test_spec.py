@@ -144,4 +144,4 @@ def test_rules_command_lists_every_rule(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["rules", "--format", "json"]) == 0
     listed = json.loads(capsys.readouterr().out)["rules"]
     assert [item["id"] for item in listed] == [entry.id for entry in RULES]
-    assert set(listed[0]) == {"id", "category", "statement", "source"}
+    assert set(listed[0]) == {"id", "category", "statement", "source", "needs"}

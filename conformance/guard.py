@@ -1,0 +1,123 @@
+"""The backend as the rule tests see it: an adapter's own exceptions are adapter errors.
+
+A backend refuses bad input by raising :class:`~conformance.adapter.Refusal`; any other
+exception is a bug of the adapter (or of the implementation behind it), not a verdict on a
+rule. The guard reports it in one line, first in the rule's detail::
+
+    adapter error in forward: IndexError: index 5 is out of bounds (my_backend.py:42);
+    call: forward(model of DecoderConfig(...), tokens [2, 5])
+
+It is raised as :class:`AdapterFault`, a ``BaseException``: hypothesis lets it through at
+once instead of shrinking for minutes an input that was never the cause, and the plugin
+reports its message, without a traceback, as the test's failure.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from conformance.adapter import Backend, Refusal
+
+__all__ = ["METHODS", "AdapterFault", "GuardedBackend", "adapter_location"]
+
+# The calls a rule test makes of a backend.
+METHODS = ("build", "build_seeded", "initialize", "parameters", "forward", "loss")
+
+
+def adapter_location(error: BaseException, adapter_file: str | None) -> str:
+    """``file:line`` where the error left the adapter's own code (its innermost frame in the
+    adapter's file), else its innermost frame."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if isinstance(error, SyntaxError) and error.filename:
+        return f"{Path(error.filename).name}:{error.lineno}"
+    if not frames:
+        return "?"
+    chosen = frames[-1]
+    if adapter_file is not None:
+        own = [frame for frame in frames if Path(frame.filename) == Path(adapter_file)]
+        chosen = own[-1] if own else chosen
+    return f"{Path(chosen.filename).name}:{chosen.lineno}"
+
+
+class AdapterFault(BaseException):
+    """An adapter raised something other than a Refusal; the message says what and where."""
+
+
+def _shape_of(value: Any) -> str:
+    try:
+        return str(list(np.shape(value)))
+    except (ValueError, TypeError):
+        return type(value).__name__
+
+
+class GuardedBackend:
+    """Forwards everything to ``backend``; its calls report adapter errors as such."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._configs: dict[int, str] = {}  # id(model) -> the configuration it was built for
+        try:
+            self._adapter_file: str | None = inspect.getfile(type(backend))
+        except (TypeError, OSError):
+            self._adapter_file = None
+
+    @property
+    def wrapped(self) -> Backend:
+        """The backend itself."""
+        return self._backend
+
+    def begin_test(self) -> None:
+        """A new test starts (a subprocess backend forgets an earlier process fault)."""
+        begin = getattr(self._backend, "begin_test", None)
+        if callable(begin):
+            begin()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._backend, name)
+        if name in METHODS and callable(value):
+            return self._guarded(name, value)
+        return value
+
+    def _describe_call(self, method: str, arguments: tuple[Any, ...]) -> str:
+        if method in ("build", "build_seeded", "initialize") and arguments:
+            return f"{method}({arguments[0]!r}, ...)"
+        if not arguments:
+            return f"{method}()"
+        model = self._configs.get(id(arguments[0]), "a model")
+        rest = ", ".join(
+            f"{['tokens', 'targets'][i] if i < 2 else 'argument'} {_shape_of(a)}"
+            for i, a in enumerate(arguments[1:3])
+        )
+        return f"{method}({model}{', ' + rest if rest else ''})"
+
+    def _message(self, method: str, arguments: tuple[Any, ...], error: Exception) -> str:
+        lines = str(error).strip().splitlines() or ["(no message)"]
+        location = adapter_location(error, self._adapter_file)
+        first = (
+            f"adapter error in {method}: {type(error).__name__}: {' '.join(lines[0].split())} "
+            f"({location}); call: {self._describe_call(method, arguments)}"
+        )
+        return "\n".join([first, *lines[1:]])
+
+    def _guarded(self, method: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(*arguments: Any, **keywords: Any) -> Any:
+            caught: Exception | None = None
+            try:
+                result = call(*arguments, **keywords)
+            except Refusal:
+                raise
+            except Exception as error:
+                caught = error
+            if caught is not None:
+                raise AdapterFault(self._message(method, arguments, caught))
+            if method in ("build", "build_seeded", "initialize") and arguments:
+                self._configs[id(result)] = f"model of {arguments[0]!r}"
+            return result
+
+        return guarded
