@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from conformance.report import Report
+from conformance.repro import script_name
 from conformance.runner import run_suite, thread_environment
 from conformance.tools.mutants import CONTROLS, MUTANTS, Mutant
 from spec.rules import rule
 
-__all__ = ["MutantResult", "render_matrix", "run_catalogue"]
+__all__ = [
+    "MutantResult",
+    "ReproductionCheck",
+    "check_reproductions",
+    "killer_scripts",
+    "render_matrix",
+    "run_catalogue",
+]
 
 
 @dataclass
@@ -35,7 +46,9 @@ class MutantResult:
         return self.verdict == "passes"
 
 
-def _run_one(adapter: str, backend_command: str | None) -> tuple[Report, float]:
+def _run_one(
+    adapter: str, backend_command: str | None, repro_dir: Path | None = None
+) -> tuple[Report, float]:
     started = time.perf_counter()
     report = run_suite(
         adapter,
@@ -44,19 +57,24 @@ def _run_one(adapter: str, backend_command: str | None) -> tuple[Report, float]:
         if backend_command is None
         else backend_command.format(python=sys.executable),
         shrink=False,
+        # The catalogue measures the rules: the contract pre-pass would name
+        # ADAPTER-CONTRACT for a mutant whose bug it meets first (a refused valid input).
+        contract_check=False,
         environment=thread_environment(1),  # several suites share the cores
         timeout=900,
+        repro_dir=repro_dir,
     )
     return report, time.perf_counter() - started
 
 
-def _judge_mutant(mutant: Mutant) -> MutantResult:
+def _judge_mutant(mutant: Mutant, repro_root: Path | None = None) -> MutantResult:
     """The whole suite runs; the killing rule is the first failed rule related to the mistake.
 
     Rules run in registry order, so when no related rule fails the first failure is named
     and the mutant is marked as killed for the wrong reason.
     """
-    report, seconds = _run_one(mutant.adapter, None)
+    repro_dir = None if repro_root is None else repro_root / mutant.name
+    report, seconds = _run_one(mutant.adapter, None, repro_dir)
     failed = report.failed()
     if report.status == 1 and failed:
         related = [r for r in failed if rule(r.id).category in mutant.related]
@@ -81,9 +99,14 @@ def _judge_control(name: str, adapter: str, command: str | None) -> MutantResult
 
 
 def run_catalogue(
-    *, workers: int = 2, only: list[str] | None = None, controls: bool = True
+    *,
+    workers: int = 2,
+    only: list[str] | None = None,
+    controls: bool = True,
+    repro_root: Path | None = None,
 ) -> list[MutantResult]:
-    """Judge every mutant (and, with ``controls``, the correct backends), ``workers`` at once."""
+    """Judge every mutant (and, with ``controls``, the correct backends), ``workers`` at once;
+    with ``repro_root``, each mutant's reproduction scripts go to ``repro_root/NAME``."""
     unknown = sorted(set(only or []) - {m.name for m in MUTANTS})
     if unknown:
         raise KeyError(
@@ -91,7 +114,7 @@ def run_catalogue(
         )
     chosen = [m for m in MUTANTS if not only or m.name in only]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        jobs = [pool.submit(_judge_mutant, mutant) for mutant in chosen]
+        jobs = [pool.submit(_judge_mutant, mutant, repro_root) for mutant in chosen]
         if controls:
             jobs += [pool.submit(_judge_control, *control) for control in CONTROLS]
         return [job.result() for job in jobs]
@@ -122,3 +145,63 @@ def render_matrix(results: list[MutantResult], wall_seconds: float) -> str:
         f"wall time {wall_seconds:.0f} s"
     )
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class ReproductionCheck:
+    """One reproduction script run against its mutant and against the reference."""
+
+    script: Path
+    against_mutant: int  # exit status: 1 while the rule fails
+    against_reference: int  # exit status: 0, the rule holds
+    output: str
+
+    @property
+    def as_expected(self) -> bool:
+        """Fails against the bug, passes against the reference."""
+        return self.against_mutant == 1 and self.against_reference == 0
+
+
+def _run_script(script: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(script), *arguments],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **thread_environment(1)},
+        timeout=900,
+        check=False,
+    )
+
+
+def _check_script(script: Path) -> ReproductionCheck:
+    mutant = _run_script(script)
+    reference = _run_script(script, "--adapter", "reference")
+    output = "\n".join(
+        [
+            mutant.stdout[-800:],
+            mutant.stderr[-800:],
+            reference.stdout[-800:],
+            reference.stderr[-800:],
+        ]
+    )
+    return ReproductionCheck(script, mutant.returncode, reference.returncode, output)
+
+
+def killer_scripts(results: list[MutantResult], repro_root: Path) -> list[Path]:
+    """The reproduction of each killed mutant's killing rule."""
+    return [
+        repro_root / r.name / script_name(r.first_failed_rule)
+        for r in results
+        if r.expected == "killed" and r.verdict == "killed"
+    ]
+
+
+def check_reproductions(
+    repro_root: Path, *, scripts: list[Path] | None = None, workers: int = 2
+) -> list[ReproductionCheck]:
+    """Run ``scripts`` (default: every script under ``repro_root``, as written by
+    :func:`run_catalogue`) against its mutant and against the reference, ``workers`` at
+    once."""
+    chosen = sorted(repro_root.glob("*/reproduce-*.py")) if scripts is None else scripts
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(_check_script, chosen))

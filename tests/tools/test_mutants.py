@@ -5,12 +5,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 import pytest
 
 import conformance.tools.mutants as catalogue
 from conformance.adapter import load_backend
-from conformance.tools.mutant_runner import run_catalogue
+from conformance.tools.mutant_runner import check_reproductions, killer_scripts, run_catalogue
 from conformance.tools.mutants import MUTANTS, mutant_named
 from conformance.tools.mutants.base import MutantBackend
 from spec.rules import RuleCategory, rule
@@ -64,11 +65,24 @@ def test_an_unknown_mutant_is_named() -> None:
 
 
 @pytest.mark.slow
-def test_every_mutant_is_killed_by_a_related_rule_and_controls_pass() -> None:
-    results = run_catalogue(workers=2)
+def test_every_mutant_is_killed_by_a_related_rule_and_controls_pass(tmp_path: Path) -> None:
+    """And the reproduction script of each kill fails against its mutant and passes against
+    the reference. (Every script, a few hundred, takes about 20 minutes:
+    ``check_reproductions(root)``.)"""
+    results = run_catalogue(workers=2, repro_root=tmp_path)
     wrong = [
         (r.name, r.verdict, r.first_failed_rule, r.detail[:300])
         for r in results
         if not r.as_expected
     ]
     assert wrong == []
+    scripts = killer_scripts(results, tmp_path)
+    assert len(scripts) == len(MUTANTS) and all(script.is_file() for script in scripts)
+    checks = check_reproductions(tmp_path, scripts=scripts, workers=2)
+    failing = [
+        (str(check.script.relative_to(tmp_path)), check.against_mutant, check.against_reference,
+         check.output[-600:])
+        for check in checks
+        if not check.as_expected
+    ]  # fmt: skip
+    assert failing == []

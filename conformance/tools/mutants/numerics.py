@@ -26,6 +26,22 @@ class MaskSeesNextToken(MutantBackend):
     model_class = model_with("SeesNextToken", attention_class=_SeesNextToken)
 
 
+class _HidesDiagonal(c.ComposedAttention):
+    def weights(self, scores: Tensor) -> Tensor:
+        return c.masked_softmax(scores, c.future_mask(scores.shape[-1], 0), -math.inf)
+
+
+@mutant("CAUSAL-PREFIX-BITWISE")
+class MaskHidesDiagonal(MutantBackend):
+    """The causal mask hides the diagonal too: position 0 sees nothing, its row is NaN.
+
+    Every later row is finite and still causal, so only a rule that refuses non-finite
+    values can see it: a NaN compares unequal to itself and bitwise equal to its copy.
+    """
+
+    model_class = model_with("HidesDiagonal", attention_class=_HidesDiagonal)
+
+
 class _FiniteMask(c.ComposedAttention):
     def weights(self, scores: Tensor) -> Tensor:
         return c.masked_softmax(scores, c.future_mask(scores.shape[-1]), -30.0)
