@@ -223,9 +223,15 @@ def _import_module(module_name: str, target: str) -> ModuleType:
         sys.path.insert(0, working)  # as "python -m" would: the user's own module comes first
     try:
         return importlib.import_module(module_name)
-    except ImportError as error:
-        raise BackendLoadError(
-            f"adapter {target!r}: cannot import {module_name}: {error}"
+    except ModuleNotFoundError as error:
+        wanted = module_name.split(".")
+        if error.name is not None and error.name.split(".") == wanted[: len(error.name.split("."))]:
+            raise BackendLoadError(
+                f"adapter {target!r}: no module {module_name} in {working} or the installed "
+                f"packages ({error})"
+            ) from error
+        raise BackendLoadError(  # the adapter's module was found; one of its imports was not
+            f"adapter {target!r}: importing {module_name} failed: {describe(error)}"
         ) from error
     except Exception as error:
         raise BackendLoadError(

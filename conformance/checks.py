@@ -42,7 +42,8 @@ class Case:
     notes: dict[str, Any] = field(default_factory=dict)
 
     def snippet(self, adapter: str) -> str:
-        """Python that rebuilds the model and repeats the call against the same backend."""
+        """Python that rebuilds the model and repeats the call against the same backend (the
+        expected value is computed by the rule's test; ``--repro-dir`` scripts rerun it)."""
         fields = ", ".join(f"{name}={value!r}" for name, value in self.config.as_dict().items())
         lines = [
             "from conformance.adapter import load_backend",
@@ -58,8 +59,10 @@ class Case:
         if self.targets is not None:
             lines.append(f"targets = {_literal(self.targets)}")
         lines.extend(f"{name} = {_literal(value)}" for name, value in self.notes.items())
-        lines.append(self.call)
-        return "reproduce with:\n" + "\n".join(f"    {line}" for line in lines)
+        lines.extend(self.call.splitlines())
+        # The snippet repeats the call; the check (the expected value from the spec) is the
+        # rule's test, which the script written by --repro-dir reruns.
+        return "the failing call, outside the suite:\n" + "\n".join(f"    {line}" for line in lines)
 
 
 @dataclass(frozen=True)

@@ -533,7 +533,7 @@ def _run_check_adapter(options: argparse.Namespace) -> str:
         return f"{header}: the adapter contract holds\n"
     lines = [f"{header}: {len(found)} contract violations"]
     lines += [f"  {violation}" for violation in found]
-    print("\n".join(lines), file=sys.stderr)
+    print("\n".join(lines), flush=True)  # the verdict is the output; the status says it failed
     raise _SuiteExit(1)
 
 

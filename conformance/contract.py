@@ -44,6 +44,8 @@ class ContractViolation:
     rule: str | None = None
 
     def __str__(self) -> str:
+        if self.problem.startswith("adapter error in "):
+            return self.problem  # names the method already
         return f"{self.method}: {self.problem}"
 
 
@@ -73,9 +75,9 @@ class _Checker:
             self.adapter_file = None
 
     def flag(self, method: str, problem: str, rule: str | None = None) -> None:
-        violation = ContractViolation(method, problem, rule)
-        if violation not in self.found:
-            self.found.append(violation)
+        # The same fault met on both configurations is one line (under the first rule).
+        if all((found.method, found.problem) != (method, problem) for found in self.found):
+            self.found.append(ContractViolation(method, problem, rule))
 
     def call(
         self, method: str, action: Callable[[], Any], what: str, rule: str | None = None
@@ -90,7 +92,12 @@ class _Checker:
         except Exception as error:
             text = " ".join(str(error).split()) or "(no message)"
             location = adapter_location(error, self.adapter_file)
-            self.flag(method, f"raised {type(error).__name__}: {text} ({location}) on {what}", rule)
+            self.flag(
+                method,
+                f"adapter error in {method}: {type(error).__name__}: {text} ({location}); "
+                f"call: {method} on {what}",
+                rule,
+            )
         raise _Stop
 
     def array(
@@ -203,7 +210,7 @@ def _check_model(checker: _Checker, config: DecoderConfig, seed: int) -> None:
         logits is not None
         and isinstance(flat_logits, np.ndarray)
         and flat_logits.shape == logits.shape
-        and not np.allclose(flat_logits, logits, rtol=1e-6, atol=1e-6)
+        and not np.allclose(flat_logits, logits, rtol=1e-6, atol=1e-6, equal_nan=True)
     ):
         checker.flag("forward", "flat IDs with shape=(B, T) give other logits than [B, T] IDs")
     result = checker.call("loss", lambda: backend.loss(model, tokens, targets), "[2, T] targets")
@@ -318,6 +325,30 @@ def _check_refusals(checker: _Checker) -> None:
                 "ERR-CONFIG-KIND",
             )
         )
+        # The construction methods that take no parameter list validate the configuration
+        # too; an adapter that checks only in build is the common slip.
+        if Capability.SEEDED_INIT in capabilities:
+            probes.append(
+                (
+                    Capability.CONFIG_ERRORS,
+                    "build_seeded",
+                    "a configuration with zero heads",
+                    lambda: call_build_seeded(backend, zero_heads, 0),
+                    ErrorKind.ZERO_HEAD_COUNT,
+                    "ERR-CONFIG-KIND",
+                )
+            )
+        if Capability.STREAM_INIT in capabilities:
+            probes.append(
+                (
+                    Capability.CONFIG_ERRORS,
+                    "initialize",
+                    "a configuration with zero heads",
+                    lambda: call_initialize(backend, zero_heads, SplitMix64(1)),
+                    ErrorKind.ZERO_HEAD_COUNT,
+                    "ERR-CONFIG-KIND",
+                )
+            )
     if Capability.REBUILD_ERRORS in capabilities:
         short = initial_parameters(config, 0)[:-1]
         probes.append(

@@ -202,11 +202,23 @@ def render_table(tally: RuleTally, identity: SuiteIdentity) -> str:
         f"({identity.precision}), profile {identity.profile}",
         f"{'RULE':<{id_width}}  {'STATUS':<{status_width}}  {'TIME':>7}  DETAIL",
     ]
-    for result in results:
+    untested = [r for r in results if r.status == "untested"]
+    # A selection (--rule, -k) leaves most rules untested: one line says so instead of dozens.
+    shown = (
+        results
+        if not untested or len(untested) == len(results)
+        else [r for r in results if r.status != "untested"]
+    )
+    for result in shown:
         detail = "" if result.status == "passed" else first_line(result.message, DETAIL_WIDTH)
         lines.append(
             f"{result.id:<{id_width}}  {_status_text(result):<{status_width}}  "
             f"{result.duration:>6.2f}s  {terminal_safe(detail)}".rstrip()
+        )
+    if len(shown) < len(results):
+        lines.append(
+            f"({len(untested)} rules untested: not selected, or not run after a broken "
+            "contract; the JSON and Markdown reports list them)"
         )
     lines.append(_counts_line(tally.summary()))
     return "\n".join(lines) + "\n"

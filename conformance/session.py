@@ -104,7 +104,12 @@ class ListedTests:
         """Why ``item`` is listed, when some line matches it."""
         identity = stable_id(item)
         for number, entry in self.entries:
-            if entry == rule_id or identity.startswith(entry):
+            is_glob = any(character in entry for character in "*?[")
+            if (
+                entry == rule_id
+                or identity.startswith(entry)
+                or (is_glob and fnmatch.fnmatchcase(rule_id, entry))
+            ):
                 self.matched.add(number)
                 return f"listed in {self.path.name} line {number}: {entry}"
         return None

@@ -34,7 +34,13 @@ def test_changing_token_t_leaves_earlier_rows_bitwise_unchanged(
     model = scenario.build(backend)
     before = backend.forward(model, scenario.tokens).logits
     after = backend.forward(model, changed).logits
-    check = judge.on(scenario.case(changed_position=position, changed_tokens=changed))
+    call = (
+        "before = backend.forward(model, tokens).logits\n"
+        "after = backend.forward(model, changed_tokens).logits\n"
+        "# the rule: rows before changed_position are bitwise the same\n"
+        "print(before[:, :changed_position].tobytes() == after[:, :changed_position].tobytes())"
+    )
+    check = judge.on(scenario.case(call, changed_position=position, changed_tokens=changed))
     check.finite("logits", before)
     check.finite(f"logits after changing token {position}", after)
     for earlier in range(position):
@@ -58,7 +64,13 @@ def test_changing_token_t_changes_row_t(
     model = scenario.build(backend)
     before = backend.forward(model, scenario.tokens).logits[:, position]
     after = backend.forward(model, changed).logits[:, position]
-    check = judge.on(scenario.case(changed_position=position, changed_tokens=changed))
+    call = (
+        "before = backend.forward(model, tokens).logits[:, changed_position]\n"
+        "after = backend.forward(model, changed_tokens).logits[:, changed_position]\n"
+        "# the rule: row changed_position moves in every sequence\n"
+        "print((before != after).any(axis=-1).all())"
+    )
+    check = judge.on(scenario.case(call, changed_position=position, changed_tokens=changed))
     check.finite(f"logit row {position}", before)
     check.finite(f"logit row {position} after changing token {position}", after)
     moved = bool(np.all(np.any(before != after, axis=-1)))

@@ -118,7 +118,7 @@ def test_a_bound_case_adds_a_reproduction_that_runs() -> None:
     message = failure(lambda: judge(case).fail("logits", 1, 2))
     first, _, snippet = message.partition("\n")
     assert first == "[SHAPE-LOGITS] logits=1, but should be 2"
-    assert snippet.startswith("reproduce with:\n")
+    assert snippet.startswith("the failing call, outside the suite:\n")
     assert "    changed_row = 3" in snippet
     namespace: dict[str, object] = {}
     exec("\n".join(line[4:] for line in snippet.splitlines()[1:]), namespace)
