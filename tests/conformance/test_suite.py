@@ -156,7 +156,7 @@ def test_a_broken_backend_fails_with_rule_message_and_reproduction(tmp_path: Pat
     assert "[CAUSAL-PREFIX-BITWISE] logit row 0 after changing token" in result.stdout
     assert "but should be bitwise unchanged" in result.stdout
     assert (
-        "reproduce with:" in result.stdout
+        "the failing call, outside the suite:" in result.stdout
         and "backend = load_backend('leaky:LeakyMask')" in result.stdout
     )
     assert "| `CAUSAL-PREFIX-BITWISE` | causality | failed |" in markdown.read_text()
@@ -242,7 +242,7 @@ def test_backend_faults_fail_only_the_affected_test(mode: str, message: str) -> 
             ["--adapter", "no-such-adapter"],
             "no adapter named 'no-such-adapter'; registered adapters:",
         ),
-        (["--adapter", "nowhere.module:Backend"], "cannot import nowhere.module"),
+        (["--adapter", "nowhere.module:Backend"], "no module nowhere.module in "),
         (["--adapter", "subprocess"], "the subprocess adapter needs --backend-command"),
     ],
 )
@@ -299,3 +299,30 @@ def test_pytest_arguments_may_start_with_a_dash(given: list[str], pytest_argumen
     options = build_parser().parse_args(attach_pass_through_values(["run", *given]))
     assert options.pytest_args == pytest_arguments
     assert options.workers == (2 if "-n" in given else 0)
+
+
+def test_the_readme_capability_table_matches_the_rules() -> None:
+    """Each capability's row lists exactly the rules that need it, with their other needs."""
+    from spec.rules import Capability
+
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- capability-table -->\n((?:\|.*\n)+)", text)
+    assert match, "README.md must hold the capability table after <!-- capability-table -->"
+    rows = {}
+    for line in match.group(1).splitlines()[2:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells[2]
+    assert set(rows) == {str(capability) for capability in Capability}
+    for capability in Capability:
+        expected = []
+        for entry in RULES:
+            if capability in entry.needs:
+                others = [f"`{need}`" for need in entry.needs if need is not capability]
+                expected.append(
+                    f"`{entry.id}`" + (f" (with {', '.join(others)})" if others else "")
+                )
+        assert rows[str(capability)] == ", ".join(expected), capability
+    free = [entry.id for entry in RULES if not entry.needs]
+    assert f"Without any, {len(free)} rules run: " + ", ".join(f"`{i}`" for i in free) in " ".join(
+        text.split()
+    )
