@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from conformance.adapter import Backend, Refusal, call_build_seeded, call_initialize
 from spec.config import Fixture
-from spec.errors import ErrorKind
+from spec.errors import ErrorCategory, ErrorKind
 from spec.evidence import (
     GRADCHECK_SAMPLES,
     Evidence,
@@ -147,12 +147,18 @@ def _configuration_errors(backend: Backend, fixture: Fixture) -> bool:
     return stream.state == fixture.seed
 
 
-def _input_errors(backend: Backend, fixture: Fixture, model: Any) -> tuple[bool, bool, bool]:
+def _input_errors(backend: Backend, fixture: Fixture, model: Any) -> tuple[bool | None, bool, bool]:
     probes = input_probes(fixture)
-    context = _refusal_kind(lambda: backend.forward(model, probes.full)) is None and (
-        _refusal_kind(lambda: backend.forward(model, probes.too_long))
-        is ErrorKind.CONTEXT_LENGTH_EXCEEDED
-    )
+    full = _refusal_kind(lambda: backend.forward(model, probes.full))
+    context: bool | None
+    if isinstance(full, ErrorKind) and full.category is ErrorCategory.RESOURCE:
+        # The backend cannot hold a pass as long as the context here: not shown, not failed.
+        context = None
+    else:
+        context = full is None and (
+            _refusal_kind(lambda: backend.forward(model, probes.too_long))
+            is ErrorKind.CONTEXT_LENGTH_EXCEEDED
+        )
     vocabulary = all(
         _refusal_kind(functools.partial(backend.forward, model, bad))
         is ErrorKind.TOKEN_ID_OUT_OF_BOUNDS

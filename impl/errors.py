@@ -8,11 +8,18 @@ says in its message which field was wrong, what was expected, and what arrived.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-from spec.errors import ErrorCategory, ErrorKind
+from spec.errors import (
+    ErrorCategory,
+    ErrorKind,
+    describe_bytes,
+    describe_count,
+    describe_value,
+)
 
 __all__ = [
+    "ActivationAllocationFailed",
     "BackwardSeedShape",
     "BlockFailure",
     "ConfigFieldType",
@@ -26,6 +33,7 @@ __all__ = [
     "GraphReleased",
     "InvalidRmsEpsilon",
     "InvalidRopeBase",
+    "InvalidSeed",
     "ModelWidthNotDivisible",
     "OddHeadWidth",
     "ParameterAllocationFailed",
@@ -35,6 +43,7 @@ __all__ = [
     "ParameterNameMismatch",
     "ParameterNotFinite",
     "ParameterShapeMismatch",
+    "ResourceError",
     "RmsZeroMeanSquare",
     "TargetCountMismatch",
     "TargetDtype",
@@ -98,10 +107,8 @@ class ConfigFieldType(ConfigurationError):
     actual: object
 
     def message(self) -> str:
-        return (
-            f"decoder config field {self.field} must be {self.expected}, "
-            f"got {type(self.actual).__name__} {self.actual!r}"
-        )
+        shown = describe_value(self.actual)
+        return f"decoder config field {self.field} must be {self.expected}, got {shown}"
 
 
 @dataclass(eq=False)
@@ -144,7 +151,8 @@ class ModelWidthNotDivisible(ConfigurationError):
 
     def message(self) -> str:
         return (
-            f"decoder model width {self.model_width} must be divisible by head count {self.heads}"
+            f"decoder model width {describe_count(self.model_width)} must be divisible by "
+            f"head count {describe_count(self.heads)}"
         )
 
 
@@ -156,7 +164,9 @@ class OddHeadWidth(ConfigurationError):
     head_width: int
 
     def message(self) -> str:
-        return f"decoder per-head width must be even for RoPE, got {self.head_width}"
+        return (
+            f"decoder per-head width must be even for RoPE, got {describe_count(self.head_width)}"
+        )
 
 
 @dataclass(eq=False)
@@ -202,17 +212,93 @@ class InvalidRmsEpsilon(ConfigurationError):
 
 
 @dataclass(eq=False)
-class ParameterAllocationFailed(DecoderModelError):
-    """The model's parameters cannot be allocated (too many scalars)."""
+class InvalidSeed(DecoderModelError):
+    """A seed (or a stream, or a stream's state) that SplitMix64 cannot hold: no integer,
+    a bool, or outside [0, 2**64 - 1]; checked after the configuration, before any draw."""
+
+    KIND: ClassVar[ErrorKind] = ErrorKind.INVALID_SEED
+    field: str
+    expected: str
+    actual: object
+
+    def message(self) -> str:
+        return f"decoder {self.field} must be {self.expected}, got {describe_value(self.actual)}"
+
+
+class ResourceError(DecoderModelError):
+    """The sizes need more memory than the reference may use; refused before allocating."""
+
+
+# Why a resource refusal came: the fixed scalar limit, the memory bound (impl.resources),
+# or a MemoryError that came anyway (the estimate fitted, the machine was busier).
+ResourceReason = Literal["scalar-limit", "memory-limit", "out-of-memory"]
+
+
+def _limit_text(limit_bytes: int, limit_source: str) -> str:
+    return f"the limit is {describe_bytes(limit_bytes)} ({limit_source})"
+
+
+@dataclass(eq=False)
+class ParameterAllocationFailed(ResourceError):
+    """The model's parameters cannot be allocated: more scalars than the reference holds
+    (``reason="scalar-limit"``), more bytes than the memory bound (``"memory-limit"``), or
+    the machine ran out while allocating them anyway (``"out-of-memory"``)."""
 
     KIND: ClassVar[ErrorKind] = ErrorKind.PARAMETER_ALLOCATION_FAILED
     scalars: int
     limit: int
+    reason: ResourceReason = "scalar-limit"
+    needed_bytes: int = 0
+    limit_bytes: int = 0
+    limit_source: str = ""
 
     def message(self) -> str:
+        scalars = describe_count(self.scalars)
+        if self.reason == "scalar-limit":
+            return (
+                f"decoder parameters: {scalars} scalars cannot be allocated; "
+                f"at most {self.limit} are allowed"
+            )
+        needed = describe_bytes(self.needed_bytes)
+        if self.reason == "memory-limit":
+            return (
+                f"decoder parameters: {scalars} scalars (within the {self.limit}-scalar "
+                f"limit) need about {needed} with their gradients; "
+                f"{_limit_text(self.limit_bytes, self.limit_source)}"
+            )
         return (
-            f"could not allocate {self.scalars} decoder parameter scalars "
-            f"(at most {self.limit} are allowed)"
+            f"the machine ran out of memory while allocating the decoder's {scalars} "
+            f"parameter scalars (about {needed} with their gradients)"
+        )
+
+
+@dataclass(eq=False)
+class ActivationAllocationFailed(ResourceError):
+    """A pass's working memory (activations, attention scores, logits, and for a loss its
+    backward) is above the memory bound (``reason="memory-limit"``), or the machine ran out
+    while computing anyway (``"out-of-memory"``). Checked after every input rule."""
+
+    KIND: ClassVar[ErrorKind] = ErrorKind.ACTIVATION_ALLOCATION_FAILED
+    operation: str
+    batch: int
+    tokens: int
+    needed_bytes: int
+    limit_bytes: int
+    limit_source: str
+    reason: ResourceReason = "memory-limit"
+
+    def message(self) -> str:
+        shape = f"{describe_count(self.batch)} x {describe_count(self.tokens)} tokens"
+        needed = describe_bytes(self.needed_bytes)
+        if self.reason == "memory-limit":
+            return (
+                f"{self.operation} over {shape} needs about {needed} of working memory; "
+                f"{_limit_text(self.limit_bytes, self.limit_source)}"
+            )
+        return (
+            f"the machine ran out of memory during {self.operation} over {shape} "
+            f"(estimated at about {needed} of working memory; "
+            f"{_limit_text(self.limit_bytes, self.limit_source)})"
         )
 
 
@@ -354,7 +440,10 @@ class ContextLengthExceeded(TokenInputError):
     context: int
 
     def message(self) -> str:
-        return f"decoder sequence length {self.tokens} exceeds context capacity {self.context}"
+        return (
+            f"decoder sequence length {describe_count(self.tokens)} exceeds context capacity "
+            f"{describe_count(self.context)}"
+        )
 
 
 @dataclass(eq=False)
@@ -366,7 +455,10 @@ class TokenCountOverflow(TokenInputError):
     tokens: int
 
     def message(self) -> str:
-        return f"decoder token count overflows for batch {self.batch} and length {self.tokens}"
+        return (
+            f"decoder token count overflows for batch {describe_count(self.batch)} "
+            f"and length {describe_count(self.tokens)}"
+        )
 
 
 @dataclass(eq=False)
@@ -378,7 +470,10 @@ class TokenCountMismatch(TokenInputError):
     actual: int
 
     def message(self) -> str:
-        return f"decoder token shape needs {self.expected} IDs, but received {self.actual}"
+        return (
+            f"decoder token shape needs {describe_count(self.expected)} IDs, "
+            f"but received {self.actual}"
+        )
 
 
 @dataclass(eq=False)

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from impl.errors import DecoderModelError
+from impl import resources
+from impl.errors import ActivationAllocationFailed, DecoderModelError
 from impl.model import DecoderModel
 from impl.tape import Array
 from spec.config import DecoderConfig, Fixture
@@ -32,7 +33,7 @@ from spec.gradcheck import central_difference_checks
 from spec.parameters import EMBEDDING_NAME, parameter_count, parameter_names
 from spec.recipe import SplitMix64
 
-__all__ = ["collect_evidence", "run_fixture"]
+__all__ = ["collect_evidence", "require_probe_memory", "run_fixture"]
 
 
 def run_fixture(fixture: Fixture) -> RunRecord:
@@ -111,6 +112,25 @@ def _configuration_errors(fixture: Fixture) -> bool:
     return stream.state == fixture.seed
 
 
+def require_probe_memory(fixture: Fixture) -> None:
+    """Refuse, before any probe is built, a fixture whose context probe (a forward pass over
+    a sequence as long as the context, and its token arrays) needs more than the bound."""
+    config = fixture.config
+    batch = np.asarray(fixture.tokens).shape[0]
+    tokens = 2 * batch * (config.context + 1) * np.dtype(np.int64).itemsize
+    needed = resources.forward_bytes(config, batch, config.context) + tokens
+    bound = resources.memory_limit()
+    if needed > bound.bytes:
+        raise ActivationAllocationFailed(
+            operation="the trace's context probe (a forward pass)",
+            batch=batch,
+            tokens=config.context,
+            needed_bytes=needed,
+            limit_bytes=bound.bytes,
+            limit_source=bound.source,
+        )
+
+
 def _input_probes(fixture: Fixture, model: DecoderModel) -> tuple[bool, bool, bool]:
     """Context limit, vocabulary-input and target errors, each with its kind."""
     probes = input_probes(fixture)
@@ -159,8 +179,14 @@ def _probe_gradients(
 
 
 def collect_evidence(fixture: Fixture) -> Evidence:
-    """Run the fixture and every probe the report and trace describe."""
+    """Run the fixture and every probe the report and trace describe.
+
+    The fixture's own run comes first (it checks the configuration, the seed, the tokens
+    and the targets in the seed's order); the context probe's memory is checked next,
+    before any probe is built.
+    """
     run = run_fixture(fixture)
+    require_probe_memory(fixture)
     model = DecoderModel.from_seed(fixture.config, fixture.seed)
     replay = DecoderModel.from_seed(fixture.config, fixture.seed).forward(fixture.tokens)
     predictions = [int(row.argmax()) for row in run.logits.reshape(-1, run.logits.shape[-1])]

@@ -8,6 +8,11 @@ Validation here is written out on its own, not derived from :mod:`spec.validatio
 suite judges this reference against ``spec.validation``, so the two are independent
 readings of the seed's order, and ``tests/impl/test_fuzz.py`` holds them together on every
 entry point. They share the seed's facts (the field kinds, the overflow bound).
+
+Resources come last: once every input rule holds, an entry point estimates the bytes it
+would allocate (:mod:`impl.resources`) and refuses above the memory bound before
+allocating anything (``parameter-allocation-failed`` when building a model,
+``activation-allocation-failed`` before a forward pass or a loss).
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 import numpy as np
 import numpy.typing as npt
 
-from impl import ops
+from impl import ops, resources
 from impl.errors import (
+    ActivationAllocationFailed,
     ConfigFieldType,
     ContextLengthExceeded,
     DecoderModelError,
@@ -31,6 +37,7 @@ from impl.errors import (
     FinalNormFailure,
     InvalidRmsEpsilon,
     InvalidRopeBase,
+    InvalidSeed,
     ModelWidthNotDivisible,
     OddHeadWidth,
     ParameterAllocationFailed,
@@ -70,13 +77,14 @@ from spec.parameters import (
     tensor_count,
 )
 from spec.recipe import SplitMix64, initial_parameters
-from spec.validation import MAX_INDEX
+from spec.validation import MAX_INDEX, MAX_SEED
 
 __all__ = [
     "MAX_PARAMETER_SCALARS",
     "DecoderModel",
     "ForwardResult",
     "validate_config",
+    "validate_seed",
 ]
 
 IndexArray = npt.NDArray[np.intp]
@@ -84,10 +92,102 @@ ParameterEntry = NamedParameter | tuple[str, npt.ArrayLike]
 
 # 2**31 float64 scalars are 16 GiB; anything larger is refused before allocating.
 MAX_PARAMETER_SCALARS = 2**31
+# The smallest int whose float64 rounds past the largest finite float (round half to even
+# at 2**1024 - 2**970 goes up to 2**1024): ``float()`` overflows from here on.
+_FLOAT64_OVERFLOW = 2**1024 - 2**970
 
 
-def _is_integer(value: object) -> bool:
+def _is_integer(value: object) -> TypeGuard[int | np.integer[Any]]:
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _is_float64_real(value: object) -> bool:
+    """A real number a float64 can hold: any numpy real, a float, an int below the overflow."""
+    if isinstance(value, bool | np.bool_):
+        return False
+    if isinstance(value, int):
+        return abs(value) < _FLOAT64_OVERFLOW
+    return isinstance(value, float | np.integer | np.floating)
+
+
+def validate_seed(seed: object) -> int:
+    """``seed`` as a Python int, or :class:`InvalidSeed` (an integer in [0, 2**64 - 1])."""
+    if not _is_integer(seed) or not 0 <= int(seed) <= MAX_SEED:
+        raise InvalidSeed(field="seed", expected="an integer in [0, 2**64 - 1]", actual=seed)
+    return int(seed)
+
+
+def _validate_stream(stream: object) -> None:
+    """A SplitMix64 whose state is a 64-bit unsigned integer, or :class:`InvalidSeed`."""
+    if not isinstance(stream, SplitMix64):
+        raise InvalidSeed(field="stream", expected="a spec.recipe.SplitMix64", actual=stream)
+    state = stream.state
+    if not _is_integer(state) or not 0 <= state <= MAX_SEED:
+        raise InvalidSeed(
+            field="stream state", expected="an integer in [0, 2**64 - 1]", actual=state
+        )
+
+
+def _require_parameter_memory(config: DecoderConfig) -> int:
+    """The bytes building ``config``'s parameters needs, or the refusal when they cannot be
+    had: more than 2**31 scalars, or more bytes than the memory bound."""
+    scalars = parameter_count(config)
+    if scalars > MAX_PARAMETER_SCALARS:
+        raise ParameterAllocationFailed(scalars=scalars, limit=MAX_PARAMETER_SCALARS)
+    needed = resources.parameter_bytes(config)
+    bound = resources.memory_limit()
+    if needed > bound.bytes:
+        raise ParameterAllocationFailed(
+            scalars=scalars,
+            limit=MAX_PARAMETER_SCALARS,
+            reason="memory-limit",
+            needed_bytes=needed,
+            limit_bytes=bound.bytes,
+            limit_source=bound.source,
+        )
+    return needed
+
+
+def _require_working_memory(
+    operation: str, batch: int, length: int, needed: int
+) -> resources.MemoryLimit:
+    """The memory bound, once ``needed`` bytes of a pass fit under it; refused otherwise."""
+    bound = resources.memory_limit()
+    if needed > bound.bytes:
+        raise ActivationAllocationFailed(
+            operation=operation,
+            batch=batch,
+            tokens=length,
+            needed_bytes=needed,
+            limit_bytes=bound.bytes,
+            limit_source=bound.source,
+        )
+    return bound
+
+
+def _ran_out(
+    operation: str, batch: int, length: int, needed: int, bound: resources.MemoryLimit
+) -> ActivationAllocationFailed:
+    """The refusal for a MemoryError in a pass that fitted the estimate (a busy machine)."""
+    return ActivationAllocationFailed(
+        operation=operation,
+        batch=batch,
+        tokens=length,
+        needed_bytes=needed,
+        limit_bytes=bound.bytes,
+        limit_source=bound.source,
+        reason="out-of-memory",
+    )
+
+
+def _out_of_memory(config: DecoderConfig, needed: int) -> ParameterAllocationFailed:
+    """The refusal for a MemoryError while allocating parameters that passed the estimate."""
+    return ParameterAllocationFailed(
+        scalars=parameter_count(config),
+        limit=MAX_PARAMETER_SCALARS,
+        reason="out-of-memory",
+        needed_bytes=needed,
+    )
 
 
 def validate_config(config: DecoderConfig) -> None:
@@ -100,27 +200,30 @@ def validate_config(config: DecoderConfig) -> None:
             raise ConfigFieldType(field=field, expected="a non-negative integer", actual=value)
     for field in REAL_FIELDS:
         value = getattr(config, field)
-        if isinstance(value, bool | np.bool_) or not isinstance(
-            value, int | float | np.integer | np.floating
-        ):
-            raise ConfigFieldType(field=field, expected="a real number", actual=value)
-    if config.vocabulary_size == 0:
+        if not _is_float64_real(value):
+            raise ConfigFieldType(
+                field=field, expected="a real number representable as a float64", actual=value
+            )
+    # Python ints from here on: a numpy size next to a huge Python int would overflow.
+    width, heads = int(config.model_width), int(config.heads)
+    if int(config.vocabulary_size) == 0:
         raise EmptyVocabulary()
-    if config.model_width == 0:
+    if width == 0:
         raise ZeroModelWidth()
-    if config.heads == 0:
+    if heads == 0:
         raise ZeroHeadCount()
-    if config.model_width % config.heads:
-        raise ModelWidthNotDivisible(model_width=config.model_width, heads=config.heads)
-    if config.head_width % 2:
-        raise OddHeadWidth(head_width=config.head_width)
-    if config.feed_forward_width == 0:
+    if width % heads:
+        raise ModelWidthNotDivisible(model_width=width, heads=heads)
+    if (width // heads) % 2:
+        raise OddHeadWidth(head_width=width // heads)
+    if int(config.feed_forward_width) == 0:
         raise ZeroFeedForwardWidth()
-    if config.context == 0:
+    if int(config.context) == 0:
         raise ZeroContextCapacity()
-    if not math.isfinite(config.rope_base) or config.rope_base <= 0:
+    rope_base, epsilon = float(config.rope_base), float(config.rms_epsilon)
+    if not math.isfinite(rope_base) or rope_base <= 0:
         raise InvalidRopeBase(value=config.rope_base)
-    if not math.isfinite(config.rms_epsilon) or config.rms_epsilon < 0:
+    if not math.isfinite(epsilon) or epsilon < 0:
         raise InvalidRmsEpsilon(value=config.rms_epsilon)
 
 
@@ -223,25 +326,30 @@ class DecoderModel:
     # ----------------------------------------------------------------- construction
     @classmethod
     def from_seed(cls, config: DecoderConfig, seed: int) -> DecoderModel:
-        """Initial parameters for ``(config, seed)`` by the SplitMix64/Xavier recipe."""
-        return cls.initialize(config, SplitMix64(seed))
+        """Initial parameters for ``(config, seed)`` by the SplitMix64/Xavier recipe.
+
+        Checked in order: the configuration, the seed (an integer in [0, 2**64 - 1]), the
+        parameters' memory; the configuration first, as the seed's program does.
+        """
+        validate_config(config)
+        return cls.initialize(config, SplitMix64(validate_seed(seed)))
 
     @classmethod
     def initialize(cls, config: DecoderConfig, stream: SplitMix64) -> DecoderModel:
-        """Draw every matrix from ``stream``; on any failure the stream is left untouched."""
+        """Draw every matrix from ``stream``; on any failure the stream is left untouched.
+
+        Checked in order: the configuration, the stream, the parameters' memory.
+        """
         validate_config(config)
-        scalars = parameter_count(config)
-        if scalars > MAX_PARAMETER_SCALARS:
-            raise ParameterAllocationFailed(scalars=scalars, limit=MAX_PARAMETER_SCALARS)
+        _validate_stream(stream)
+        needed = _require_parameter_memory(config)
         trial = stream.clone()
         try:
             drawn = initial_parameters(config, trial)
+            leaves = _leaves(drawn)
         except MemoryError as error:
-            raise ParameterAllocationFailed(scalars=scalars, limit=MAX_PARAMETER_SCALARS) from error
-        model = cls(
-            config,
-            [NamedParameter(name, Tensor(value, requires_grad=True)) for name, value in drawn],
-        )
+            raise _out_of_memory(config, needed) from error
+        model = cls(config, leaves)
         stream.adopt(trial)
         return model
 
@@ -254,13 +362,15 @@ class DecoderModel:
         """Rebuild from a stable-order named parameter list, copying every value.
 
         Checked in order: configuration; tensor count; the name at each index; each
-        tensor's shape; its dtype (real numbers); its values (finite).
+        tensor's shape; its dtype (real numbers); its values (finite); the memory the copies
+        and their gradients need.
         """
         validate_config(config)
         entries = list(parameters.items()) if isinstance(parameters, Mapping) else list(parameters)
-        layout = parameter_layout(config)
-        if len(entries) != len(layout):
+        # Counted before the layout is listed: a huge depth must not build a huge list.
+        if len(entries) != tensor_count(config.layers):
             raise ParameterCountMismatch(expected=tensor_count(config.layers), actual=len(entries))
+        layout = parameter_layout(config)
         named: list[tuple[str, object]] = []
         for index, (entry, (expected_name, _)) in enumerate(zip(entries, layout, strict=True)):
             name, value = _split_entry(entry)
@@ -293,13 +403,15 @@ class DecoderModel:
                     position=position,
                     value=float(values.reshape(-1)[position]),
                 )
-        return cls(
-            config,
-            [
+        needed = _require_parameter_memory(config)
+        try:
+            leaves = [
                 NamedParameter(name, Tensor(array, requires_grad=True))
                 for (name, _), array in zip(named, arrays, strict=True)
-            ],
-        )
+            ]
+        except MemoryError as error:
+            raise _out_of_memory(config, needed) from error
+        return cls(config, leaves)
 
     # ------------------------------------------------------------------- inspection
     def parameters(self) -> list[NamedParameter]:
@@ -428,7 +540,13 @@ class DecoderModel:
         so each role's gradient contribution can be measured on its own.
         """
         ids = self.validate_tokens(tokens, shape)
-        return self._forward(ids, detach_lookup=detach_lookup, detach_head=detach_head)
+        batch, length = ids.shape
+        needed = resources.forward_bytes(self.config, batch, length)
+        bound = _require_working_memory("a forward pass", batch, length, needed)
+        try:
+            return self._forward(ids, detach_lookup=detach_lookup, detach_head=detach_head)
+        except MemoryError as error:
+            raise _ran_out("a forward pass", batch, length, needed, bound) from error
 
     def _forward(self, ids: IndexArray, *, detach_lookup: bool, detach_head: bool) -> ForwardResult:
         table = self.token_embedding.tensor
@@ -459,13 +577,32 @@ class DecoderModel:
         """Mean over all B*T positions of ``-log softmax(logits[b, t])[targets[b, t]]``.
 
         Checked in the seed's order: the token shape rules, then the targets (dtype, count,
-        range), and only then the token IDs, as the seed's forward pass looks them up.
+        range), and only then the token IDs, as the seed's forward pass looks them up; last
+        the working memory of the loss and of the backward pass it exists for.
         """
         flat, batch, length = self._validate_token_shape(tokens, shape)
         target_ids = self.validate_targets(targets, batch, length)
         ids = self._checked_token_ids(flat, batch, length)
-        result = self._forward(ids, detach_lookup=detach_lookup, detach_head=detach_head)
-        return ops.indexed_mean_nll(result.logits, target_ids)
+        operation = "a loss and its backward pass"
+        needed = resources.loss_bytes(self.config, batch, length)
+        bound = _require_working_memory(operation, batch, length, needed)
+        try:
+            result = self._forward(ids, detach_lookup=detach_lookup, detach_head=detach_head)
+            return ops.indexed_mean_nll(result.logits, target_ids)
+        except MemoryError as error:
+            raise _ran_out(operation, batch, length, needed, bound) from error
+
+
+def _leaves(drawn: list[tuple[str, Array]]) -> list[NamedParameter]:
+    """Each drawn matrix copied into its leaf, the drawn one dropped as soon as it is copied,
+    so at most one matrix exists twice."""
+    drawn.reverse()
+    leaves: list[NamedParameter] = []
+    while drawn:
+        name, value = drawn.pop()
+        leaves.append(NamedParameter(name, Tensor(value, requires_grad=True)))
+        del value
+    return leaves
 
 
 def _split_entry(entry: object) -> tuple[str | None, object]:

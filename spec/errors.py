@@ -2,20 +2,43 @@
 
 The kinds mirror the failures the seed's ``DecoderModelError`` names, plus the few a
 dynamically typed language adds (a float where an integer belongs, a non-integer token
-array). Implementations report a kind by its string value, so the values are stable.
+array, a seed that is no 64-bit unsigned integer). Implementations report a kind by its
+string value, so the values are stable.
+
+The order in which an entry point checks its inputs:
+
+- building from a seed: the configuration, then the seed (or stream), then the resources
+  the parameters need, and only then is anything drawn;
+- rebuilding from a parameter list: the configuration, then the parameter layout (count,
+  names, shapes, dtypes, values), then the resources;
+- a forward pass: the token shape (dtype, rank, batch, length, context, overflow, count),
+  then the token IDs, then the working memory (resource), last before computing; the loss:
+  the token shape, the targets, the token IDs, then the working memory;
+- numeric refusals come while computing, tape refusals from ``backward``.
 """
 
 from __future__ import annotations
 
+import operator
 from enum import StrEnum
+from typing import SupportsIndex
 
-__all__ = ["CONFIG_RULE_ORDER", "ErrorCategory", "ErrorKind"]
+__all__ = [
+    "CONFIG_RULE_ORDER",
+    "ErrorCategory",
+    "ErrorKind",
+    "describe_bytes",
+    "describe_count",
+    "describe_value",
+]
 
 
 class ErrorCategory(StrEnum):
-    """The broad class of a refusal, in the order a caller usually meets them."""
+    """The broad class of a refusal, in the order a caller usually meets them (resources
+    twice: the parameters' when a model is built, the working memory's before a pass)."""
 
     CONFIGURATION = "configuration"
+    SEED = "seed"
     RESOURCE = "resource"
     PARAMETER_LAYOUT = "parameter-layout"
     TOKEN_SHAPE = "token-shape"
@@ -41,8 +64,14 @@ class ErrorKind(StrEnum):
     ZERO_CONTEXT_CAPACITY = "zero-context-capacity"
     INVALID_ROPE_BASE = "invalid-rope-base"
     INVALID_RMS_EPSILON = "invalid-rms-epsilon"
-    # Resources: sizes whose products cannot be represented or allocated.
+    # The seed (or a stream's state), checked after the configuration: SplitMix64's state
+    # is one unsigned 64-bit integer.
+    INVALID_SEED = "invalid-seed"
+    # Resources: sizes whose products cannot be represented or allocated. The parameters'
+    # are checked when a model is built; the working memory's after every input check of a
+    # forward pass or loss, last before computing.
     PARAMETER_ALLOCATION_FAILED = "parameter-allocation-failed"
+    ACTIVATION_ALLOCATION_FAILED = "activation-allocation-failed"
     # Rebuilding from a named parameter list.
     PARAMETER_COUNT_MISMATCH = "parameter-count-mismatch"
     PARAMETER_NAME_MISMATCH = "parameter-name-mismatch"
@@ -92,7 +121,9 @@ _CATEGORY_OF: dict[ErrorKind, ErrorCategory] = {
         kind: ErrorCategory.CONFIGURATION
         for kind in (ErrorKind.CONFIG_FIELD_TYPE, *CONFIG_RULE_ORDER)
     },
+    ErrorKind.INVALID_SEED: ErrorCategory.SEED,
     ErrorKind.PARAMETER_ALLOCATION_FAILED: ErrorCategory.RESOURCE,
+    ErrorKind.ACTIVATION_ALLOCATION_FAILED: ErrorCategory.RESOURCE,
     **{
         kind: ErrorCategory.PARAMETER_LAYOUT
         for kind in (
@@ -123,3 +154,42 @@ _CATEGORY_OF: dict[ErrorKind, ErrorCategory] = {
     ErrorKind.BACKWARD_SEED_SHAPE: ErrorCategory.TAPE,
     ErrorKind.GRAPH_RELEASED: ErrorCategory.TAPE,
 }
+
+
+# An int with more digits than this is shown by its magnitude: a message stays one readable
+# line, and Python refuses to turn an int of more than 4300 digits into a string at all.
+_SHOWN_DIGITS = 40
+
+
+def describe_count(value: SupportsIndex) -> str:
+    """An int (numpy's too) for an error message: its digits, or a huge one by its
+    magnitude (``about 10^400``)."""
+    count = operator.index(value)
+    # bit_length * log10(2) counts the digits without converting (exact to one digit).
+    digits = int(abs(count).bit_length() * 0.30103) + 1
+    if digits <= _SHOWN_DIGITS:
+        return str(count)
+    return f"about {'-' if count < 0 else ''}10^{digits - 1}"
+
+
+def describe_value(value: object) -> str:
+    """``value`` for an error message: its type name and repr, a huge int by its magnitude
+    (``int of about 10^400``)."""
+    if isinstance(value, int) and not isinstance(value, bool):  # numpy ints print as they are
+        shown = describe_count(value)
+        return f"int {shown}" if shown.lstrip("-").isdigit() else f"int of {shown}"
+    return f"{type(value).__name__} {value!r}"
+
+
+_BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def describe_bytes(count: int) -> str:
+    """``count`` bytes for a message: ``512 bytes``, ``7.2 TiB``, ``about 10^40 bytes``."""
+    if count < 1024:
+        return f"{count} bytes"
+    for power, unit in enumerate(_BYTE_UNITS, start=1):
+        if count < 1024 ** (power + 1):
+            return f"{count / 1024**power:.1f} {unit}"
+    # Past 1024 EiB only the magnitude means anything (and the int may not fit a float).
+    return f"about 10^{int(count.bit_length() * 0.30103)} bytes"

@@ -39,7 +39,7 @@ NAME_PATTERN = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)*")
 
 def tensor_count(layers: int) -> int:
     """Number of parameter tensors of a tied model with ``layers`` blocks: 2 + 9N."""
-    return 2 + len(BLOCK_PARAMETER_SUFFIXES) * layers
+    return 2 + len(BLOCK_PARAMETER_SUFFIXES) * int(layers)
 
 
 def _block_shapes(config: DecoderConfig) -> tuple[tuple[int, ...], ...]:
@@ -67,11 +67,12 @@ def parameter_names(config: DecoderConfig) -> list[str]:
 
 def parameter_count(config: DecoderConfig, *, tied: bool = True) -> int:
     """Scalars owned by the model: ``Vd + N(4d^2 + 3df + 2d) + d``, plus ``Vd`` if untied."""
+    # Python ints: numpy sizes would wrap around silently past 2**63.
     v, d, f, n = (
-        config.vocabulary_size,
-        config.model_width,
-        config.feed_forward_width,
-        config.layers,
+        int(config.vocabulary_size),
+        int(config.model_width),
+        int(config.feed_forward_width),
+        int(config.layers),
     )
     tied_count = v * d + n * (4 * d * d + 3 * d * f + 2 * d) + d
     return tied_count if tied else tied_count + v * d

@@ -3,6 +3,8 @@
 Everything here follows ``RECIPE.md``. Draws are generated with vectorized uint64
 arithmetic (SplitMix64's output depends only on its counter), so initializing a large
 model costs no Python loop per scalar, and the stream advances exactly one step per scalar.
+A matrix is drawn in blocks of :data:`DRAW_BLOCK_SCALARS`, so the draw's temporaries stay
+a few MiB however large the matrix (the values are the same as in one block).
 """
 
 from __future__ import annotations
@@ -13,15 +15,26 @@ import numpy as np
 import numpy.typing as npt
 
 from spec.config import DecoderConfig
+from spec.errors import ErrorKind, describe_value
 from spec.parameters import parameter_layout
+from spec.validation import seed_violation
 
-__all__ = ["GOLDEN_GAMMA", "SplitMix64", "initial_parameters", "xavier_limit"]
+__all__ = [
+    "DRAW_BLOCK_SCALARS",
+    "GOLDEN_GAMMA",
+    "InvalidSeedError",
+    "SplitMix64",
+    "initial_parameters",
+    "xavier_limit",
+]
 
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _UNIT = 2.0**-53
+# Scalars drawn at once: each block's uint64 and float64 temporaries are about 8 x 512 KiB.
+DRAW_BLOCK_SCALARS = 1 << 16
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -32,17 +45,36 @@ def _mix(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     return z ^ (z >> np.uint64(31))
 
 
+class InvalidSeedError(ValueError):
+    """A seed SplitMix64 cannot hold: no integer, a bool, or outside [0, 2**64 - 1].
+
+    ``kind`` is :attr:`ErrorKind.INVALID_SEED`, as the reference's own refusal
+    (``impl.errors.InvalidSeed``) reports it; a ValueError like every refusal.
+    """
+
+    kind = ErrorKind.INVALID_SEED
+
+    def __init__(self, seed: object) -> None:
+        super().__init__(seed)
+        self.field = "seed"
+        self.actual = seed
+
+    def __str__(self) -> str:
+        shown = describe_value(self.actual)
+        return f"SplitMix64 seed must be an integer in [0, 2**64 - 1], got {shown}"
+
+
 class SplitMix64:
     """A SplitMix64 stream whose whole state is one unsigned 64-bit integer."""
 
     __slots__ = ("_state",)
 
     def __init__(self, seed: int) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-        if not 0 <= seed <= _MASK64:
-            raise ValueError(f"seed must be in [0, 2**64 - 1], got {seed}")
-        self._state = seed
+        """A stream at state ``seed``, an integer (numpy's too) in [0, 2**64 - 1]; anything
+        else is an :class:`InvalidSeedError`."""
+        if seed_violation(seed) is not None:
+            raise InvalidSeedError(seed)
+        self._state = int(seed)
 
     @property
     def state(self) -> int:
@@ -84,8 +116,12 @@ def xavier_limit(fan_in: int, fan_out: int) -> float:
 
 def _xavier(stream: SplitMix64, fan_in: int, fan_out: int) -> FloatArray:
     limit = xavier_limit(fan_in, fan_out)
-    units = stream.next_units(fan_in * fan_out)
-    return (limit * (2.0 * units - 1.0)).reshape(fan_in, fan_out)
+    values = np.empty(fan_in * fan_out)
+    # Block by block: the same draws in the same order as one call, with bounded temporaries.
+    for start in range(0, values.size, DRAW_BLOCK_SCALARS):
+        block = values[start : start + DRAW_BLOCK_SCALARS]
+        block[:] = limit * (2.0 * stream.next_units(block.size) - 1.0)
+    return values.reshape(fan_in, fan_out)
 
 
 def initial_parameters(

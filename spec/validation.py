@@ -7,29 +7,35 @@ backend (the reference included) can be judged against them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
 from spec.config import REAL_FIELDS, SIZE_FIELDS, DecoderConfig
 from spec.errors import ErrorKind
-from spec.parameters import parameter_layout
+from spec.parameters import parameter_layout, tensor_count
 
 __all__ = [
     "MAX_INDEX",
+    "MAX_SEED",
     "Violation",
     "config_violation",
+    "is_float64_representable",
     "loss_violation",
     "rebuild_violation",
+    "seed_violation",
     "token_violation",
 ]
 
 # The largest token count: the seed counts B*T in its 64-bit unsigned size (usize on a 64-bit
 # machine), so a product beyond 2**64 - 1 overflows.
 MAX_INDEX = 2**64 - 1
+# The largest seed: SplitMix64's whole state is one unsigned 64-bit integer.
+MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -40,14 +46,24 @@ class Violation:
     details: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _is_size(value: object) -> bool:
+def _is_size(value: object) -> TypeGuard[int | np.integer[Any]]:
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
 
-def _is_real(value: object) -> bool:
+def _is_real(value: object) -> TypeGuard[int | float | np.integer[Any] | np.floating[Any]]:
     return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
         value, bool | np.bool_
     )
+
+
+def is_float64_representable(value: int | float | np.integer[Any] | np.floating[Any]) -> bool:
+    """Whether a real converts to a float64 without overflowing (a Python int can be any
+    size; the seed's reals are ``f64``, so 10**400 is a wrong-typed field, not a huge one)."""
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 # Checked in this order once every field has the right type (RECIPE.md).
@@ -75,11 +91,26 @@ def config_violation(config: DecoderConfig) -> Violation | None:
             return Violation(ErrorKind.CONFIG_FIELD_TYPE, {"field": name, "actual": value})
     for name in REAL_FIELDS:
         value = getattr(config, name)
-        if not _is_real(value):
+        if not _is_real(value) or not is_float64_representable(value):
             return Violation(ErrorKind.CONFIG_FIELD_TYPE, {"field": name, "actual": value})
+    # Python ints from here on: a numpy size next to a huge Python int would overflow.
+    exact = dataclasses.replace(
+        config, **{name: int(getattr(config, name)) for name in SIZE_FIELDS}
+    )
     for kind, broken in _CONFIG_CHECKS:
-        if broken(config):
+        if broken(exact):
             return Violation(kind)
+    return None
+
+
+def seed_violation(seed: object) -> Violation | None:
+    """The seed's refusal, or None: an integer (numpy's too, never a bool) in [0, 2**64 - 1].
+
+    A configuration is checked before its seed, as the seed's program validates its
+    configuration before it reads anything else.
+    """
+    if not _is_size(seed) or not 0 <= int(seed) <= MAX_SEED:
+        return Violation(ErrorKind.INVALID_SEED, {"field": "seed", "actual": seed})
     return None
 
 
@@ -202,11 +233,13 @@ def rebuild_violation(config: DecoderConfig, listed: Sequence[object]) -> Violat
     problem = config_violation(config)
     if problem is not None:
         return problem
-    layout = parameter_layout(config)
-    if len(entries) != len(layout):
+    # Counted before the layout is listed: a huge depth must not build a huge list.
+    expected_count = tensor_count(config.layers)
+    if len(entries) != expected_count:
         return Violation(
-            ErrorKind.PARAMETER_COUNT_MISMATCH, {"expected": len(layout), "actual": len(entries)}
+            ErrorKind.PARAMETER_COUNT_MISMATCH, {"expected": expected_count, "actual": len(entries)}
         )
+    layout = parameter_layout(config)
     for index, ((name, _), (expected, _)) in enumerate(zip(entries, layout, strict=True)):
         if name != expected:
             return Violation(

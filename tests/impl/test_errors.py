@@ -7,8 +7,13 @@ them bitwise afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import math
+import os
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,9 +21,12 @@ import numpy as np
 import pytest
 
 from impl.errors import BlockFailure, DecoderModelError, FinalNormFailure
+from impl.evidence import collect_evidence
 from impl.model import DecoderModel
+from impl.resources import MEMORY_LIMIT_VARIABLE
 from spec.config import FIXTURE, DecoderConfig
 from spec.errors import ErrorCategory, ErrorKind
+from spec.evidence import fixture_for
 from spec.parameters import parameter_layout
 from spec.recipe import SplitMix64
 
@@ -97,6 +105,41 @@ def zero_row_model(layers: int) -> Callable[[World], object]:
     return action
 
 
+@contextlib.contextmanager
+def memory_limit(limit: str) -> Iterator[None]:
+    """``DECODER_CONFORMANCE_MEMORY_LIMIT=limit`` for the block: refusals that do not depend
+    on the machine the tests run on."""
+    previous = os.environ.get(MEMORY_LIMIT_VARIABLE)
+    os.environ[MEMORY_LIMIT_VARIABLE] = limit
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[MEMORY_LIMIT_VARIABLE]
+        else:
+            os.environ[MEMORY_LIMIT_VARIABLE] = previous
+
+
+def limited(limit: str, action: Callable[[World], object]) -> Callable[[World], object]:
+    """``action`` under a memory limit (the world is prepared without one)."""
+
+    def run(world: World) -> object:
+        with memory_limit(limit):
+            return action(world)
+
+    return run
+
+
+def seeded(seed: object, config: DecoderConfig = CONFIG) -> Callable[[World], object]:
+    return lambda world: DecoderModel.from_seed(config, seed)  # type: ignore[arg-type]
+
+
+LONG_CONTEXT = 30_000
+# T = 30000 at the fixture's two heads: 2 x 30000^2 float64 attention weights per block,
+# 29 GB in all, far above the 1 GiB the long-context cases run under.
+LONG_MODEL = DecoderModel.from_seed(with_config(context=LONG_CONTEXT), FIXTURE.seed)
+
+
 def _released_loss(world: World) -> Any:
     loss = world.model.loss(TOKENS, TARGETS)
     loss.backward(retain_graph=False)
@@ -125,6 +168,24 @@ CASES: list[tuple[str, Callable[[World], object], ErrorKind, dict[str, Any]]] = 
         build(with_config(rms_epsilon="0")),
         ErrorKind.CONFIG_FIELD_TYPE,
         {"field": "rms_epsilon"},
+    ),
+    (
+        "huge-int-rope-base",
+        build(with_config(rope_base=10**400)),
+        ErrorKind.CONFIG_FIELD_TYPE,
+        {"field": "rope_base", "actual": 10**400},
+    ),
+    (
+        "huge-negative-int-epsilon",
+        build(with_config(rms_epsilon=-(10**400))),
+        ErrorKind.CONFIG_FIELD_TYPE,
+        {"field": "rms_epsilon"},
+    ),
+    (
+        "int-just-past-float64",
+        build(with_config(rope_base=2**1024 - 2**970)),
+        ErrorKind.CONFIG_FIELD_TYPE,
+        {"field": "rope_base"},
     ),
     ("zero-vocabulary", build(with_config(vocabulary_size=0)), ErrorKind.EMPTY_VOCABULARY, {}),
     ("zero-width", build(with_config(model_width=0)), ErrorKind.ZERO_MODEL_WIDTH, {}),
@@ -173,11 +234,54 @@ CASES: list[tuple[str, Callable[[World], object], ErrorKind, dict[str, Any]]] = 
         ErrorKind.ZERO_MODEL_WIDTH,
         {},
     ),
+    ("negative-seed", seeded(-1), ErrorKind.INVALID_SEED, {"field": "seed", "actual": -1}),
+    ("seed-2-to-64", seeded(2**64), ErrorKind.INVALID_SEED, {"actual": 2**64}),
+    ("string-seed", seeded("7"), ErrorKind.INVALID_SEED, {"actual": "7"}),
+    ("float-seed", seeded(7.0), ErrorKind.INVALID_SEED, {"actual": 7.0}),
+    ("bool-seed", seeded(True), ErrorKind.INVALID_SEED, {"actual": True}),
+    ("none-seed", seeded(None), ErrorKind.INVALID_SEED, {"actual": None}),
+    ("huge-seed", seeded(10**400), ErrorKind.INVALID_SEED, {"field": "seed"}),
+    (
+        "configuration-before-seed",
+        seeded(-1, with_config(heads=0)),
+        ErrorKind.ZERO_HEAD_COUNT,
+        {},
+    ),
+    (
+        "seed-before-resources",
+        seeded(-1, with_config(vocabulary_size=2**40)),
+        ErrorKind.INVALID_SEED,
+        {},
+    ),
+    (
+        "not-a-stream",
+        lambda w: DecoderModel.initialize(CONFIG, 7),  # type: ignore[arg-type]
+        ErrorKind.INVALID_SEED,
+        {"field": "stream", "actual": 7},
+    ),
     (
         "too-many-scalars",
         build(with_config(vocabulary_size=2**40)),
         ErrorKind.PARAMETER_ALLOCATION_FAILED,
-        {"scalars": 2**42 + 2 * 120 + 4},
+        {"scalars": 2**42 + 2 * 120 + 4, "reason": "scalar-limit"},
+    ),
+    (
+        "parameters-above-memory-limit",
+        limited("1M", build(with_config(vocabulary_size=20_000, model_width=1_000, heads=10))),
+        ErrorKind.PARAMETER_ALLOCATION_FAILED,
+        {"reason": "memory-limit", "limit_bytes": 2**20, "limit_source": MEMORY_LIMIT_VARIABLE},
+    ),
+    (
+        "rebuild-above-memory-limit",
+        limited("1K", rebuild(lambda e: e)),
+        ErrorKind.PARAMETER_ALLOCATION_FAILED,
+        {"reason": "memory-limit", "limit_bytes": 1024},
+    ),
+    (
+        "rebuild-counts-before-listing-a-huge-depth",
+        rebuild(lambda e: e, with_config(layers=2**40)),
+        ErrorKind.PARAMETER_COUNT_MISMATCH,
+        {"expected": 2 + 9 * 2**40, "actual": 20},
     ),
     (
         "rebuild-bad-config",
@@ -354,6 +458,47 @@ CASES: list[tuple[str, Callable[[World], object], ErrorKind, dict[str, Any]]] = 
         {"position": 1, "id": 5, "vocabulary_size": 5},
     ),
     (
+        "forward-above-memory-limit",
+        limited("1G", lambda w: LONG_MODEL.forward(np.zeros((1, LONG_CONTEXT), dtype=np.int64))),
+        ErrorKind.ACTIVATION_ALLOCATION_FAILED,
+        {"operation": "a forward pass", "batch": 1, "tokens": LONG_CONTEXT, "limit_bytes": 2**30},
+    ),
+    (
+        "loss-above-memory-limit",
+        limited("100K", lambda w: w.model.loss(TOKENS, TARGETS)),
+        ErrorKind.ACTIVATION_ALLOCATION_FAILED,
+        {"operation": "a loss and its backward pass", "tokens": 3},
+    ),
+    (
+        "token-ids-before-memory",
+        limited("1K", lambda w: w.model.forward([[0, 5, 1]])),
+        ErrorKind.TOKEN_ID_OUT_OF_BOUNDS,
+        {},
+    ),
+    (
+        "targets-before-memory",
+        limited("1K", lambda w: w.model.loss(TOKENS, [[1, 2]])),
+        ErrorKind.TARGET_COUNT_MISMATCH,
+        {},
+    ),
+    (
+        "context-before-memory",
+        limited("1K", lambda w: w.model.forward([[0, 1, 2, 3, 4]])),
+        ErrorKind.CONTEXT_LENGTH_EXCEEDED,
+        {},
+    ),
+    (
+        "trace-context-probe-above-memory-limit",
+        limited(
+            "1G",
+            lambda w: collect_evidence(
+                fixture_for(with_config(context=60_000), FIXTURE.seed, TOKENS, TARGETS)
+            ),
+        ),
+        ErrorKind.ACTIVATION_ALLOCATION_FAILED,
+        {"operation": "the trace's context probe (a forward pass)", "tokens": 60_000},
+    ),
+    (
         "zero-row-block",
         zero_row_model(layers=1),
         ErrorKind.RMS_ZERO_MEAN_SQUARE,
@@ -490,3 +635,136 @@ def test_messages_name_field_expectation_and_value() -> None:
         str(caught.value)
         == "decoder config field heads must be a non-negative integer, got float 2.5"
     )
+
+
+def test_messages_of_seeds_huge_reals_and_resources() -> None:
+    """Each names the field or the operation, the expectation, and what arrived."""
+    world = prepared_world()
+    expected = {
+        "huge-int-rope-base": (
+            "decoder config field rope_base must be a real number representable as a float64,"
+            " got int of about 10^400"
+        ),
+        "negative-seed": "decoder seed must be an integer in [0, 2**64 - 1], got int -1",
+        "string-seed": "decoder seed must be an integer in [0, 2**64 - 1], got str '7'",
+        "not-a-stream": "decoder stream must be a spec.recipe.SplitMix64, got int 7",
+        "too-many-scalars": (
+            "decoder parameters: 4398046511348 scalars cannot be allocated; "
+            "at most 2147483648 are allowed"
+        ),
+        "parameters-above-memory-limit": (
+            "decoder parameters: 28029000 scalars (within the 2147483648-scalar limit) need "
+            "about 584.5 MiB with their gradients; the limit is 1.0 MiB "
+            "(DECODER_CONFORMANCE_MEMORY_LIMIT)"
+        ),
+        "forward-above-memory-limit": (
+            "a forward pass over 1 x 30000 tokens needs about 29.4 GiB of working memory; "
+            "the limit is 1.0 GiB (DECODER_CONFORMANCE_MEMORY_LIMIT)"
+        ),
+    }
+    actions = {case[0]: case[1] for case in CASES}
+    for case, message in expected.items():
+        with pytest.raises(DecoderModelError) as caught:
+            actions[case](world)
+        assert str(caught.value) == message, case
+
+
+def test_the_attention_weights_alone_exceed_what_a_long_forward_was_refused_for() -> None:
+    """The refusal's estimate is no invention: the kept weights alone are 2 x T^2 per block."""
+    with memory_limit("1G"), pytest.raises(DecoderModelError) as caught:
+        LONG_MODEL.forward(np.zeros((1, LONG_CONTEXT), dtype=np.int64))
+    weights = CONFIG.layers * CONFIG.heads * LONG_CONTEXT**2 * 8
+    assert weights <= caught.value.needed_bytes <= 2 * weights  # type: ignore[attr-defined]
+
+
+# Refusals of sizes far beyond the bound: each must come at once and allocate next to nothing.
+QUICK_REFUSALS = [
+    "huge-int-rope-base",
+    "negative-seed",
+    "seed-before-resources",
+    "too-many-scalars",
+    "parameters-above-memory-limit",
+    "forward-above-memory-limit",
+    "trace-context-probe-above-memory-limit",
+]
+
+
+@pytest.mark.parametrize("case", QUICK_REFUSALS)
+def test_refusals_are_quick_and_allocate_nothing(case: str) -> None:
+    action = {entry[0]: entry[1] for entry in CASES}[case]
+    world = prepared_world()
+    best = math.inf
+    for _ in range(3):  # the best of three: the machine may be busy
+        tracemalloc.start()
+        started = time.perf_counter()
+        with pytest.raises(DecoderModelError) as caught:
+            action(world)
+        best = min(best, time.perf_counter() - started)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    refused = getattr(caught.value, "needed_bytes", 0) or 2**30
+    assert best < 0.1, f"{case}: refused after {best:.3f} s"
+    assert peak < min(refused // 100, 4 * 2**20), f"{case}: allocated {peak} bytes to refuse"
+
+
+def test_running_out_anyway_is_reported_with_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MemoryError past the estimate (a busy machine) is the resource kind, saying the
+    machine ran out, and still changes nothing."""
+
+    def exhausted(*arguments: object, **keywords: object) -> object:
+        raise MemoryError
+
+    world = prepared_world()
+    before = world.snapshot()
+    monkeypatch.setattr("impl.model.initial_parameters", exhausted)
+    with pytest.raises(DecoderModelError) as building:
+        DecoderModel.initialize(CONFIG, world.stream)
+    assert building.value.kind is ErrorKind.PARAMETER_ALLOCATION_FAILED
+    assert str(building.value).startswith(
+        "the machine ran out of memory while allocating the decoder's 264 parameter scalars"
+    )
+    monkeypatch.setattr(DecoderModel, "_forward", exhausted)
+    for run in (lambda: world.model.forward(TOKENS), lambda: world.model.loss(TOKENS, TARGETS)):
+        with pytest.raises(DecoderModelError) as running:
+            run()
+        assert running.value.kind is ErrorKind.ACTIVATION_ALLOCATION_FAILED
+        assert str(running.value).startswith("the machine ran out of memory during a ")
+        assert running.value.reason == "out-of-memory"  # type: ignore[attr-defined]
+    assert world.snapshot() == before
+
+
+def test_trace_of_a_huge_context_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``decoder-conformance trace --context 60000``: refused before any probe is built."""
+    from conformance.cli import main
+
+    with memory_limit("1G"):
+        tracemalloc.start()
+        status = main(["trace", "--context", "60000"])
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert "context probe (a forward pass) over 1 x 60000 tokens needs about" in captured.err
+    assert captured.err.rstrip().endswith("[activation-allocation-failed]")
+    assert peak < 16 * 2**20
+
+
+def test_an_adapter_trace_shows_a_context_it_cannot_hold_as_unavailable(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Through the adapter the trace goes on: a resource refusal of the full-context probe
+    is no broken context rule, so that one flag reads ``unavailable``, not ``false``."""
+    from conformance.cli import main
+
+    with memory_limit("1G"):
+        status = main(["trace", "--adapter", "reference", "--context", "60000"])
+    depths = next(
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("depths ")
+    )
+    assert status == 0
+    assert "context_limit=unavailable" in depths
+    assert "configuration_errors=true" in depths

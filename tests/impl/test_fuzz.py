@@ -23,17 +23,41 @@ from spec.config import FIXTURE, DecoderConfig
 from spec.errors import ErrorKind
 from spec.parameters import parameter_count
 from spec.recipe import SplitMix64, initial_parameters
-from spec.validation import config_violation, loss_violation, rebuild_violation, token_violation
+from spec.validation import (
+    config_violation,
+    loss_violation,
+    rebuild_violation,
+    seed_violation,
+    token_violation,
+)
 
 CONFIG = FIXTURE.config
+# The smallest int float64 cannot hold (it rounds up to 2**1024); one less rounds to the
+# largest finite float.
+FLOAT64_OVERFLOW = 2**1024 - 2**970
+huge_ints = st.one_of(
+    st.sampled_from([10**400, -(10**400), 10**5000, FLOAT64_OVERFLOW, -FLOAT64_OVERFLOW]),
+    st.integers(FLOAT64_OVERFLOW - 3, FLOAT64_OVERFLOW + 3),
+    st.integers(2**1024, 2**4000).map(lambda value: -value if value % 2 else value),
+)
 weird_sizes = st.one_of(
     st.integers(-3, 12),
     st.integers(2**31, 2**70),
+    huge_ints,
     st.sampled_from([True, False, None, "4", 4.0, 2.5, float("nan"), np.int64(4), np.float32(4)]),
 )
 weird_reals = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
+    huge_ints,
     st.sampled_from([0, 3, -1, True, None, "1e-6", np.float64(10.0), np.int8(5)]),
+)
+weird_seeds = st.one_of(
+    st.integers(0, 2**64 - 1),
+    st.integers(-(2**70), 2**70),
+    huge_ints,
+    st.sampled_from(
+        [True, False, None, "7", 7.0, float("nan"), np.uint64(7), np.int64(-1), np.float64(3)]
+    ),
 )
 
 
@@ -50,21 +74,19 @@ def trained() -> DecoderModel:
     return model
 
 
-@given(
-    fields=st.fixed_dictionaries(
-        {
-            "vocabulary_size": weird_sizes,
-            "model_width": weird_sizes,
-            "heads": weird_sizes,
-            "feed_forward_width": weird_sizes,
-            "layers": weird_sizes,
-            "context": weird_sizes,
-            "rope_base": weird_reals,
-            "rms_epsilon": weird_reals,
-        }
-    ),
-    seed=st.integers(0, 2**64 - 1),
-)
+CONFIG_FIELDS = {
+    "vocabulary_size": weird_sizes,
+    "model_width": weird_sizes,
+    "heads": weird_sizes,
+    "feed_forward_width": weird_sizes,
+    "layers": weird_sizes,
+    "context": weird_sizes,
+    "rope_base": weird_reals,
+    "rms_epsilon": weird_reals,
+}
+
+
+@given(fields=st.fixed_dictionaries(CONFIG_FIELDS), seed=st.integers(0, 2**64 - 1))
 def test_construction(fields: dict[str, Any], seed: int) -> None:
     config = DecoderConfig(**fields)
     expected = config_violation(config)
@@ -84,6 +106,41 @@ def test_construction(fields: dict[str, Any], seed: int) -> None:
         return
     assert expected is None, f"built a model from an invalid configuration ({expected.kind})"
     assert parameter_count(config) <= MAX_PARAMETER_SCALARS
+
+
+@given(
+    config=st.one_of(st.just(CONFIG), st.builds(DecoderConfig, **CONFIG_FIELDS)), seed=weird_seeds
+)
+def test_seeded_construction(config: DecoderConfig, seed: Any) -> None:
+    """The configuration first, then the seed; a seed SplitMix64 cannot hold is refused."""
+    expected = config_violation(config) or seed_violation(seed)
+    if expected is None:
+        assume(parameter_count(config) < 20_000)
+    try:
+        model = DecoderModel.from_seed(config, seed)
+    except DecoderModelError as error:
+        wanted = expected.kind if expected is not None else ErrorKind.PARAMETER_ALLOCATION_FAILED
+        assert error.kind is wanted, f"{error.kind} ({error}), but should be {wanted}"
+        assert isinstance(error, ValueError) and str(error)
+        return
+    assert expected is None, f"built a model breaking {expected.kind}"
+    drawn = initial_parameters(config, int(seed))
+    for (_, value), (_, expected_value) in zip(model.state(), drawn, strict=True):
+        assert np.array_equal(value, expected_value)
+
+
+@given(seed=weird_seeds)
+def test_stream_seeds(seed: Any) -> None:
+    """``SplitMix64(seed)`` refuses exactly what ``seed_violation`` refuses, with its kind."""
+    expected = seed_violation(seed)
+    try:
+        stream = SplitMix64(seed)
+    except ValueError as error:
+        assert expected is not None, f"refused a valid seed: {error}"
+        assert getattr(error, "kind", None) is ErrorKind.INVALID_SEED and str(error)
+    else:
+        assert expected is None, f"accepted a seed breaking {expected.kind}"
+        assert stream.state == int(seed)
 
 
 token_arrays = st.one_of(

@@ -5,15 +5,23 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
 from conformance.cli import main
 from spec.config import FIXTURE, DecoderConfig
 from spec.errors import ErrorCategory, ErrorKind
 from spec.parameters import NAME_PATTERN, parameter_count, parameter_layout, parameter_names
+from spec.recipe import DRAW_BLOCK_SCALARS, InvalidSeedError, SplitMix64, initial_parameters
 from spec.rules import RULES, RuleCategory, rule, rules_in
 from spec.shapes import logits_shape, stage_shapes
-from spec.validation import config_violation, loss_violation, token_violation
+from spec.validation import (
+    config_violation,
+    loss_violation,
+    rebuild_violation,
+    seed_violation,
+    token_violation,
+)
 
 EXERCISE = DecoderConfig(
     vocabulary_size=40, model_width=12, heads=2, feed_forward_width=32, layers=3, context=8
@@ -113,6 +121,75 @@ def test_token_count_overflows_the_seeds_unsigned_64_bit_size() -> None:
 
 def test_every_error_kind_has_a_category() -> None:
     assert all(isinstance(kind.category, ErrorCategory) for kind in ErrorKind)
+
+
+def test_the_taxonomy_lists_categories_in_the_order_a_builder_meets_them() -> None:
+    """Configuration, then the seed, then the resources (the parameters' memory)."""
+    order = list(ErrorCategory)
+    assert order[:3] == [ErrorCategory.CONFIGURATION, ErrorCategory.SEED, ErrorCategory.RESOURCE]
+    assert ErrorKind.INVALID_SEED.category is ErrorCategory.SEED
+    assert ErrorKind.ACTIVATION_ALLOCATION_FAILED.category is ErrorCategory.RESOURCE
+
+
+@pytest.mark.parametrize(
+    "value",
+    [10**400, -(10**400), 2**1024 - 2**970, -(2**1024 - 2**970), 10**5000],
+    # pytest cannot name a 5000-digit parameter itself: Python refuses to print it.
+    ids=["1e400", "-1e400", "just-past-float64", "just-past-negative", "1e5000"],
+)
+@pytest.mark.parametrize("field", ["rope_base", "rms_epsilon"])
+def test_a_real_float64_cannot_hold_is_a_wrong_typed_field(field: str, value: int) -> None:
+    found = config_violation(DecoderConfig(5, 4, 2, 4, 2, 4, **{field: value}))
+    assert found is not None and found.kind is ErrorKind.CONFIG_FIELD_TYPE
+    assert found.details == {"field": field, "actual": value}
+
+
+def test_the_largest_int_that_rounds_to_a_finite_float_is_a_real() -> None:
+    assert config_violation(DecoderConfig(5, 4, 2, 4, 2, 4, rope_base=2**1024 - 2**970 - 1)) is None
+
+
+@pytest.mark.parametrize(
+    ("seed", "valid"),
+    [
+        (0, True),
+        (2**64 - 1, True),
+        (np.uint64(7), True),
+        (-1, False),
+        (2**64, False),
+        ("7", False),
+        (7.0, False),
+        (True, False),
+        (None, False),
+        (np.int64(-1), False),
+    ],
+)
+def test_seeds_are_unsigned_64_bit_integers(seed: object, valid: bool) -> None:
+    found = seed_violation(seed)
+    assert (found is None) is valid
+    if valid:
+        assert SplitMix64(seed).state == int(seed)  # type: ignore[arg-type, call-overload]
+        return
+    assert found is not None and found.kind is ErrorKind.INVALID_SEED
+    with pytest.raises(InvalidSeedError) as caught:
+        SplitMix64(seed)  # type: ignore[arg-type]
+    assert isinstance(caught.value, ValueError) and caught.value.kind is ErrorKind.INVALID_SEED
+    assert str(caught.value).startswith("SplitMix64 seed must be an integer in [0, 2**64 - 1]")
+
+
+def test_a_huge_depth_is_counted_before_its_layout_is_listed() -> None:
+    found = rebuild_violation(DecoderConfig(5, 4, 2, 4, 2**40, 4), [])
+    assert found is not None and found.kind is ErrorKind.PARAMETER_COUNT_MISMATCH
+    assert found.details == {"expected": 2 + 9 * 2**40, "actual": 0}
+
+
+def test_blocked_draws_equal_one_draw() -> None:
+    """A matrix larger than a draw block holds the same values as drawn in one piece."""
+    config = DecoderConfig(DRAW_BLOCK_SCALARS // 4 + 3, 8, 2, 4, 0, 4)
+    table = initial_parameters(config, 5)[0][1]
+    stream = SplitMix64(5)
+    limit = (6.0 / sum(table.shape)) ** 0.5
+    whole = (limit * (2.0 * stream.next_units(table.size) - 1.0)).reshape(table.shape)
+    assert table.tobytes() == whole.tobytes()
 
 
 def test_rule_registry_is_well_formed() -> None:
