@@ -342,14 +342,39 @@ def _entries(node: Any, source: str, case: str, what: str) -> list[dict[str, Any
     return node
 
 
+# What hostile text can raise while it is parsed and verified, besides GoldenError: nesting
+# deeper than the interpreter's stack (RecursionError, in json or in the walks below), an
+# integer of more digits than int() converts (ValueError), a value of the wrong type where a
+# number, list or object belongs.
+_PARSE_FAILURES = (RecursionError, ValueError, TypeError, KeyError, IndexError, OverflowError)
+
+
 def decode_record(text: str, source: str = "<golden>") -> GoldenRecord:
-    """Parse and verify a golden file; a :class:`GoldenError` names the file, case and value."""
+    """Parse and verify a golden file; a :class:`GoldenError` names the file, case and value.
+
+    Whatever the text, the only exception is a GoldenError, so a check reports any file it
+    cannot read as hand-edited instead of crashing on it.
+    """
+    try:
+        return _decode_record(text, source)
+    except GoldenError:
+        raise
+    except RecursionError:
+        raise GoldenError(source, "?", "not a golden file (nested too deeply)") from None
+    except _PARSE_FAILURES as error:
+        detail = f"not a golden file ({type(error).__name__}: {error})"
+        raise GoldenError(source, "?", detail) from None
+
+
+def _decode_record(text: str, source: str) -> GoldenRecord:
     try:
         payload = json.loads(text, parse_float=_DecimalText)
     except json.JSONDecodeError as error:
         raise GoldenError(source, "?", f"not JSON ({error.msg} at line {error.lineno})") from None
     except RecursionError:
         raise GoldenError(source, "?", "not JSON this suite reads (nested too deeply)") from None
+    except ValueError as error:  # an integer of more digits than Python converts
+        raise GoldenError(source, "?", f"not JSON this suite reads ({error})") from None
     if not isinstance(payload, dict):
         raise GoldenError(source, "?", f"not a JSON object (a {type(payload).__name__})")
     case_entry = _object(payload.get("case", {}), source, "?", "case")
