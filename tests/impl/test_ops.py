@@ -111,10 +111,12 @@ def test_swiglu(shape: tuple[int, int, int], seed: int) -> None:
     gate, up = rng.normal(scale=6.0, size=shape), rng.normal(size=shape)
     assert_gradients_match(ops.swiglu, [gate, up], seed)
     expected = gate / (1.0 + np.exp(-gate)) * up
-    # The tanh form of the sigmoid loses relative (not absolute) precision in its far left tail.
-    np.testing.assert_allclose(
-        ops.swiglu(Tensor(gate), Tensor(up)).value, expected, rtol=1e-14, atol=1e-15
-    )
+    # The tanh form of the sigmoid is off by at most eps/2 absolutely (one rounding of tanh, one
+    # of the + 1), which |gate * up| scales; both forms add a few relative roundings. The worst
+    # of 540,000 sampled elements used 0.57 of this bound; a fixed atol of 1e-15 was exceeded.
+    eps = np.finfo(np.float64).eps
+    error = np.abs(ops.swiglu(Tensor(gate), Tensor(up)).value - expected)
+    assert np.all(error <= eps * (np.abs(gate * up) / 2 + 3 * np.abs(expected)))
 
 
 @given(batch=small, heads=small, length=small, width=small, seed=seeds)
