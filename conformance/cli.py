@@ -60,11 +60,15 @@ def _add_run_commands(commands: Any) -> None:
         help="check only this rule (repeatable; a glob such as 'ERR-*' too)",
     )
     run.add_argument(
-        "--max-examples", type=_positive_int, help="examples a property runs (the profile's)"
+        "--max-examples",
+        type=_positive_int,
+        metavar="N",
+        help="examples a property runs (the profile's)",
     )
     run.add_argument(
         "--seed",
         type=_non_negative_int,
+        metavar="N",
         help="hypothesis seed (default: drawn and reported; the ci profile is derandomized)",
     )
     run.add_argument("--json", metavar="FILE", help="also write the report as JSON")
@@ -81,7 +85,17 @@ def _add_run_commands(commands: Any) -> None:
     )
     run.add_argument("--backend-command", help="command that starts a subprocess backend")
     run.add_argument(
-        "--backend-timeout", type=_positive_real, default=60.0, help="seconds per request (60)"
+        "--backend-timeout",
+        type=_positive_real,
+        default=60.0,
+        metavar="S",
+        help="seconds per request (60); three timeouts in a row end the waiting",
+    )
+    run.add_argument(
+        "--run-timeout",
+        type=_positive_real,
+        metavar="S",
+        help="seconds the whole run may take; past it the run is stopped (exit 124)",
     )
     run.add_argument(
         "-n",
@@ -464,6 +478,48 @@ def _trace_backend(options: argparse.Namespace, config: Any, tokens: Any, target
     return text
 
 
+# pytest options that end a run before its tests report: the suite would read no verdict.
+_REPORTLESS_PYTEST_OPTIONS = frozenset(
+    {"--collect-only", "--co", "--help", "-h", "--version", "-V", "--fixtures", "--markers"}
+)
+
+
+def _writable_file(command: str, flag: str, target: str) -> None:
+    """A report path whose folder exists and that is not itself a folder."""
+    from pathlib import Path
+
+    path = Path(target)
+    if path.is_dir():
+        raise CommandLineError(f"{PROGRAM} {command}: {flag} {target} is a folder, not a file")
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        raise CommandLineError(f"{PROGRAM} {command}: {flag} {target}: no folder {folder}")
+    if not os.access(folder, os.W_OK):
+        raise CommandLineError(f"{PROGRAM} {command}: {flag} {target}: {folder} is not writable")
+
+
+def _text_file(command: str, flag: str, source: str) -> None:
+    """A readable UTF-8 text file (a list of rules or tests)."""
+    from pathlib import Path
+
+    path = Path(source)
+    if not path.is_file():
+        raise CommandLineError(f"{PROGRAM} {command}: {flag} {source}: no such file")
+    try:
+        with path.open("rb") as stream:
+            head = stream.read(1 << 20)
+        if b"\0" in head:
+            raise UnicodeDecodeError("utf-8", head, head.index(b"\0"), head.index(b"\0") + 1, "NUL")
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CommandLineError(
+            f"{PROGRAM} {command}: {flag} {source} is not a text file (one rule ID or test "
+            "ID per line)"
+        ) from None
+    except OSError as error:
+        raise CommandLineError(f"{PROGRAM} {command}: {flag} {source}: {error.strerror}") from None
+
+
 def _run_suite(options: argparse.Namespace) -> str:
     """Run the suite; its progress and the rule table go to the terminal as they come."""
     import shlex
@@ -476,14 +532,41 @@ def _run_suite(options: argparse.Namespace) -> str:
         raise CommandLineError(
             f"{PROGRAM} run: -n needs pytest-xdist (pip install 'decoder-conformance[test]')"
         )
-    for flag, target in (("--json", options.json), ("--markdown", options.markdown)):
-        folder = Path(target).resolve().parent if target else None
-        if folder is not None and not folder.is_dir():
-            raise CommandLineError(f"{PROGRAM} run: {flag} {target}: no folder {folder}")
+    # Every file argument is checked before the run starts, so no mistake costs a run.
+    outputs = [("--json", options.json), ("--markdown", options.markdown)]
+    for flag, target in outputs:
+        if target:
+            _writable_file("run", flag, target)
+    if (
+        options.json
+        and options.markdown
+        and Path(options.json).resolve() == Path(options.markdown).resolve()
+    ):
+        raise CommandLineError(
+            f"{PROGRAM} run: --json and --markdown name the same file {options.markdown}"
+        )
+    if (
+        options.repro_dir
+        and Path(options.repro_dir).exists()
+        and not Path(options.repro_dir).is_dir()
+    ):
+        raise CommandLineError(f"{PROGRAM} run: --repro-dir {options.repro_dir} is not a folder")
+    for flag, listed in (
+        ("--xfails-file", options.xfails_file),
+        ("--skips-file", options.skips_file),
+    ):
+        if listed:
+            _text_file("run", flag, listed)
     try:
         pytest_args = shlex.split(options.pytest_args)
     except ValueError as error:
         raise CommandLineError(f"{PROGRAM} run: --pytest-args: {error}") from None
+    for argument in pytest_args:
+        if argument.split("=", 1)[0] in _REPORTLESS_PYTEST_OPTIONS:
+            raise CommandLineError(
+                f"{PROGRAM} run: --pytest-args {argument}: the run would check nothing and "
+                "report nothing; list the rules with 'decoder-conformance rules'"
+            )
     report = run_suite(
         options.adapter,
         profile=options.profile,
@@ -502,6 +585,7 @@ def _run_suite(options: argparse.Namespace) -> str:
         pytest_args=pytest_args,
         stream=sys.stdout,
         color=sys.stdout.isatty(),
+        timeout=options.run_timeout,
     )
     if report.error:
         print(report.error, file=sys.stderr)
@@ -581,7 +665,7 @@ def _run_golden(options: argparse.Namespace) -> str:
         try:
             backend = load_backend(options.adapter)
             names = regenerate(backend, directory)
-        except (BackendLoadError, PermissionError) as error:
+        except (BackendLoadError, OSError) as error:  # PermissionError included
             raise CommandLineError(f"{PROGRAM} golden regen: {error}") from error
         return f"regenerated {len(names)} golden files in {directory / 'cases'}\n"
     reference = None if options.no_recompute else load_backend("reference")
@@ -606,6 +690,8 @@ def _run_bench(options: argparse.Namespace) -> str:
         raise CommandLineError(
             f"{PROGRAM} bench: --sizes takes {', '.join(SIZES)}, got {options.sizes!r}"
         )
+    if options.json:
+        _writable_file("bench", "--json", options.json)
     result = run_bench(
         sizes=sizes,
         threads=options.threads,
@@ -617,7 +703,9 @@ def _run_bench(options: argparse.Namespace) -> str:
         progress=lambda text: print(text, file=sys.stderr, flush=True),
     )
     if options.json:
-        Path(options.json).write_text(result.as_json(), encoding="utf-8")
+        from conformance.files import write_atomically
+
+        write_atomically(Path(options.json), result.as_json())
     return render_bench(result)
 
 
@@ -687,6 +775,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except _SuiteExit as verdict:
         return verdict.status
+    except KeyboardInterrupt:
+        print(f"{PROGRAM}: interrupted", file=sys.stderr)
+        return 130
     sys.stdout.write(output)
     return 0
 

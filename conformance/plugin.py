@@ -84,6 +84,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from conformance.runner import follow_leash
+
+    follow_leash()  # started by run_suite: end with the process that started this run
     config.addinivalue_line("markers", "rule(rule_id): the spec rule a conformance test checks")
     seed = config.getoption("hypothesis_seed", None)
     select_profile(

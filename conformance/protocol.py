@@ -8,7 +8,10 @@ travel as ``{"float": float.hex(value)}`` for the same reason.
 from __future__ import annotations
 
 import base64
+import binascii
 import json
+import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any
@@ -31,15 +34,40 @@ __all__ = [
     "encode_input",
     "encode_parameters",
     "parse_message",
+    "printable",
 ]
 
 PROTOCOL_NAME = "decoder-conformance"
 PROTOCOL_VERSION = 1
 _ARRAY_KINDS = "biuf"  # bool, signed, unsigned, floating: what a test may send or receive
+# Bounds no legitimate message comes near; past them a message is refused before anything
+# is allocated for it.
+MAX_RANK = 8
+MAX_ELEMENTS = 1 << 36
+MAX_NAME_LENGTH = 200
+# Control characters (terminal escapes, carriage returns, bidirectional overrides) that a
+# backend's text must not smuggle into a terminal or a Markdown table.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 
 
 class ProtocolError(ValueError):
     """A message that does not follow the protocol."""
+
+
+def printable(text: str, *, one_line: bool = False) -> str:
+    """``text`` with every control character written as an escape (``\\x1b``); newlines and
+    tabs stay unless ``one_line``."""
+    escaped = _UNPRINTABLE.sub(lambda match: ascii(match.group())[1:-1], text)
+    if one_line:
+        escaped = escaped.replace("\n", "\\n").replace("\t", "\\t")
+    return escaped
+
+
+def _size(value: object, what: str) -> int:
+    """A JSON integer that can be an array size (not a bool, a float or a huge number)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_ELEMENTS:
+        raise ProtocolError(f"{what} must be an integer from 0 to 2**36, got {value!r:.60}")
+    return value
 
 
 def encode_array(values: npt.ArrayLike) -> dict[str, Any]:
@@ -56,22 +84,46 @@ def encode_array(values: npt.ArrayLike) -> dict[str, Any]:
 
 
 def decode_array(message: object, what: str = "array") -> npt.NDArray[Any]:
-    """The array an :func:`encode_array` message describes; a ``ProtocolError`` says why not."""
+    """The array an :func:`encode_array` message describes; a ``ProtocolError`` names the
+    field that is wrong. Every field is checked before anything is allocated."""
     if not isinstance(message, Mapping) or set(message) != {"dtype", "shape", "data"}:
         raise ProtocolError(
-            f"{what} must be an object with dtype, shape and data, got {message!r:.200}"
+            f"{what} must be an object with exactly dtype, shape and data, "
+            f"got {printable(repr(message), one_line=True):.200}"
+        )
+    name, shape_field, data = message["dtype"], message["shape"], message["data"]
+    if not isinstance(name, str) or len(name) > 16:
+        raise ProtocolError(f"{what}.dtype must be a numpy dtype name, got {name!r:.60}")
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        raise ProtocolError(f"{what}.dtype {name!r} is not a numpy dtype") from None
+    if dtype.kind not in _ARRAY_KINDS:
+        raise ProtocolError(f"{what}.dtype {name!r} is not bool, integer or floating")
+    if not isinstance(shape_field, list) or len(shape_field) > MAX_RANK:
+        raise ProtocolError(
+            f"{what}.shape must be a list of at most {MAX_RANK} sizes, got {shape_field!r:.60}"
+        )
+    shape = tuple(_size(size, f"{what}.shape[{i}]") for i, size in enumerate(shape_field))
+    elements = math.prod(shape)
+    if elements > MAX_ELEMENTS:
+        raise ProtocolError(f"{what}.shape {list(shape)} holds more than 2**36 elements")
+    if not isinstance(data, str):
+        raise ProtocolError(f"{what}.data must be a base64 string, got {type(data).__name__}")
+    expected = elements * dtype.itemsize
+    if len(data) != 4 * math.ceil(expected / 3):
+        raise ProtocolError(
+            f"{what}.data holds {len(data)} base64 characters, but shape {list(shape)} of "
+            f"{dtype.name} needs {4 * math.ceil(expected / 3)} ({expected} bytes)"
         )
     try:
-        dtype = np.dtype(message["dtype"]).newbyteorder("<")
-        shape = tuple(int(size) for size in message["shape"])
-        raw = base64.b64decode(message["data"], validate=True)
-        if dtype.kind not in _ARRAY_KINDS:
-            raise ProtocolError(f"{what} has unsupported dtype {message['dtype']!r}")
-        return np.frombuffer(raw, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
-    except ProtocolError:
-        raise
-    except (TypeError, ValueError) as error:
-        raise ProtocolError(f"{what} is not a valid array message: {error}") from None
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise ProtocolError(f"{what}.data is not base64: {error}") from None
+    if len(raw) != expected:
+        raise ProtocolError(f"{what}.data decodes to {len(raw)} bytes, not {expected}")
+    little = dtype.newbyteorder("<")
+    return np.frombuffer(raw, dtype=little).reshape(shape).astype(little.newbyteorder("="))
 
 
 def encode_input(values: object) -> dict[str, Any]:
@@ -155,20 +207,45 @@ def decode_parameters(
         raise ProtocolError(f"{what} must be a list of [name, array] pairs")
     decoded = []
     for index, entry in enumerate(message):
-        if not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str):
-            raise ProtocolError(f"{what}[{index}] must be [name, array], got {entry!r:.200}")
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 2
+            or not isinstance(entry[0], str)
+            or len(entry[0]) > MAX_NAME_LENGTH
+        ):
+            raise ProtocolError(
+                f"{what}[{index}] must be [name, array] with a name of at most "
+                f"{MAX_NAME_LENGTH} characters, got {printable(repr(entry), one_line=True):.200}"
+            )
         decoded.append((entry[0], decode_array(entry[1], f"{what}[{index}]")))
     return decoded
 
 
+def _finite_number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ProtocolError(f"the number {text:.40} is outside the float64 range")
+    return value
+
+
+def _no_constant(text: str) -> float:
+    raise ProtocolError(f"{text} is not JSON (the protocol sends non-finite floats as hex)")
+
+
 def parse_message(line: str) -> dict[str, Any]:
-    """One line of the protocol: a JSON object, or a ``ProtocolError`` quoting what arrived."""
+    """One line of the protocol: a JSON object, or a ``ProtocolError`` quoting what arrived
+    (malformed JSON, nesting too deep to parse, numbers too long or outside float64)."""
+    quoted = f"{printable(line.strip(), one_line=True)!r:.200}"
     try:
-        message = json.loads(line)
+        message = json.loads(line, parse_float=_finite_number, parse_constant=_no_constant)
+    except ProtocolError as error:
+        raise ProtocolError(f"not valid JSON: {error}: {quoted}") from None
     except json.JSONDecodeError as error:
-        raise ProtocolError(
-            f"not JSON ({error.msg} at column {error.colno}): {line.strip()!r:.200}"
-        ) from None
+        raise ProtocolError(f"not JSON ({error.msg} at column {error.colno}): {quoted}") from None
+    except RecursionError:
+        raise ProtocolError(f"not JSON a decoder can read (nested too deeply): {quoted}") from None
+    except ValueError as error:  # an integer of thousands of digits
+        raise ProtocolError(f"not valid JSON ({error}): {quoted}") from None
     if not isinstance(message, dict):
-        raise ProtocolError(f"a message must be a JSON object, got {line.strip()!r:.200}")
+        raise ProtocolError(f"a message must be a JSON object, got {quoted}")
     return message

@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from conformance.protocol import printable
 from spec.rules import RULES
 
 __all__ = [
@@ -61,7 +62,6 @@ DETAIL_WIDTH = 120
 _OWN_LINE = re.compile(r"^(\[[A-Z0-9]+(?:-[A-Z0-9]+)+\] |adapter error in )", re.M)
 _WORKER_BANNER = re.compile(r"^\[gw\d+\] \S+ -- Python .*\n?", re.M)
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 def clean_message(text: str) -> str:
@@ -81,8 +81,17 @@ def first_line(message: str, width: int | None = None) -> str:
 
 
 def terminal_safe(text: str) -> str:
-    """``text`` with control characters (newlines, terminal escapes) shown, not obeyed."""
-    return _CONTROL.sub(lambda match: repr(match.group(0))[1:-1], text)
+    """``text`` on one line with control characters (newlines, terminal escapes,
+    bidirectional overrides) shown as escapes, not obeyed."""
+    return printable(text, one_line=True)
+
+
+def _fenced(text: str, language: str) -> list[str]:
+    """A Markdown code block that ``text`` cannot close early (the fence is longer than
+    any run of backticks in it), with control characters escaped."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [f"{fence}{language}", printable(text).rstrip(), fence]
 
 
 @dataclass
@@ -300,9 +309,9 @@ def render_markdown(
     if failures:
         lines += ["", "## Failures"]
     for r in failures:
-        lines += ["", f"### `{r.id}` ({_status_text(r)})", "", "```text", r.message, "```"]
+        lines += ["", f"### `{r.id}` ({_status_text(r)})", "", *_fenced(r.message, "text")]
         if r.reproduction:
-            lines += ["", "Reproduction:", "", "```python", r.reproduction.rstrip(), "```"]
+            lines += ["", "Reproduction:", "", *_fenced(r.reproduction, "python")]
     return "\n".join(lines) + "\n"
 
 

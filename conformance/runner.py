@@ -14,11 +14,12 @@ import contextlib
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -26,7 +27,14 @@ import conformance
 from conformance.profiles import PROFILES
 from conformance.report import Report, ReportError
 
-__all__ = ["THREAD_VARIABLES", "run_suite", "thread_environment"]
+__all__ = [
+    "LEASH_VARIABLE",
+    "THREAD_VARIABLES",
+    "RunTerminated",
+    "follow_leash",
+    "run_suite",
+    "thread_environment",
+]
 
 # The variables that set a compute thread count: the reference's own (which it reads first),
 # then those of OpenMP, OpenBLAS and MKL, which numpy, torch and most engines read.
@@ -38,6 +46,60 @@ THREAD_VARIABLES = (
 )
 # The plugin's first line once the backend is loaded and its contract checked.
 _STARTED = f"decoder-conformance {conformance.__version__}: checking "
+# The read end of a pipe only this process writes to: the run ends itself when it reads end
+# of file, which the kernel delivers however this process ends (SIGKILL included).
+LEASH_VARIABLE = "DECODER_CONFORMANCE_LEASH_FD"
+
+
+class RunTerminated(SystemExit):
+    """The process running the suite received SIGTERM; the run was stopped first, and the
+    process exits with status 143 (128 + SIGTERM), as it would have without the handler."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _terminate_as_exception() -> Iterator[None]:
+    """SIGTERM raises :class:`RunTerminated` (main thread only, where Python delivers
+    signals), so the run is stopped before this process ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_terminate(number: int, frame: object) -> None:
+        raise RunTerminated
+
+    previous = signal.signal(signal.SIGTERM, on_terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def follow_leash() -> None:
+    """In the run's own process: end the run's process group when the process that started
+    it is gone (the leash reads end of file), so a killed ``run`` leaves nothing behind."""
+    value = os.environ.pop(LEASH_VARIABLE, "")  # popped: a worker must not read another fd
+    if not value.isdigit():
+        return
+    descriptor = int(value)
+    try:
+        if not stat.S_ISFIFO(os.fstat(descriptor).st_mode):
+            return
+    except OSError:
+        return
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(descriptor, 4096):
+                pass
+        # The starter closed its end or died: end this run, its workers and its backends'
+        # keepers, which end their backends in turn.
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="decoder-conformance-leash", daemon=True).start()
 
 
 def thread_environment(threads: int) -> dict[str, str]:
@@ -133,6 +195,49 @@ def _stop(process: subprocess.Popen[str], first: signal.Signals) -> None:
         process.wait()
 
 
+def _run_to_the_end(
+    command: list[str],
+    variables: dict[str, str],
+    cwd: str | os.PathLike[str] | None,
+    output: _Output,
+    timeout: float | None,
+) -> int | None:
+    """Run ``command`` on a leash, its output into ``output``; its exit status, or None
+    when it ran past ``timeout`` and was stopped. An interrupt or SIGTERM stops it first."""
+    leash_read, leash = os.pipe()
+    variables[LEASH_VARIABLE] = str(leash_read)
+    try:
+        process = subprocess.Popen(
+            command,
+            env=variables,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            pass_fds=(leash_read,),
+            start_new_session=True,  # its own process group: stopped whole
+        )
+    finally:
+        os.close(leash_read)
+    reader = threading.Thread(target=_pump, args=(process, output), daemon=True)
+    reader.start()
+    try:
+        with _terminate_as_exception():
+            return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(process, signal.SIGTERM)
+        return None
+    except (KeyboardInterrupt, RunTerminated) as stopped:
+        _stop(process, signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else signal.SIGTERM)
+        raise
+    finally:
+        os.close(leash)
+        reader.join(timeout=10)
+
+
 def run_suite(
     adapter: str | None = None,
     *,
@@ -216,32 +321,10 @@ def run_suite(
         ]
         stale = report_path.stat().st_mtime_ns if report_path.exists() else None
         output = _Output(stream)
-        process = subprocess.Popen(
-            command,
-            env=variables,
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            encoding="utf-8",
-            errors="replace",
-            start_new_session=True,  # its own process group: stopped whole
-        )
-        reader = threading.Thread(target=_pump, args=(process, output), daemon=True)
-        reader.start()
-        try:
-            status = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _stop(process, signal.SIGTERM)
-            reader.join(timeout=10)
+        status = _run_to_the_end(command, variables, cwd, output, timeout)
+        if status is None:
             text = output.finish(show_held=True)
             return Report(124, output=text, error=f"the run took longer than {timeout:g} s")
-        except KeyboardInterrupt:
-            _stop(process, signal.SIGINT)
-            reader.join(timeout=10)
-            raise
-        reader.join(timeout=10)
         error = error_path.read_text(encoding="utf-8").strip() if error_path.exists() else ""
         text = output.finish(show_held=not error)
         written = report_path.exists() and report_path.stat().st_mtime_ns != stale

@@ -350,6 +350,10 @@ class SuiteSession:
         """Reproductions, the JSON and Markdown reports (on the controller only)."""
         if hasattr(session.config, "workerinput") or not self.ran:
             return
+        if session.exitstatus == pytest.ExitCode.INTERRUPTED:
+            # A partial report would look complete: the old files stay as they were.
+            print("\ninterrupted: no report or reproduction written (earlier ones are untouched)")
+            return
         if self.contract_broken:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         scripts = self._reproductions()

@@ -1,9 +1,13 @@
-"""Hypothesis profiles for the project's own tests (``HYPOTHESIS_PROFILE`` selects one)."""
+"""Hypothesis profiles for the project's tests, and a check that the run leaves no process."""
 
 from __future__ import annotations
 
 import os
+import time
+import uuid
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # The numerical properties run whole models; wall-clock deadlines would only add flakiness.
@@ -18,3 +22,44 @@ settings.register_profile(
 settings.register_profile("default", max_examples=40, deadline=None, print_blob=True)
 settings.register_profile("thorough", max_examples=300, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+# Every process the test run starts inherits this marker, so what outlives the run can be found
+# at its end, even a descendant that detached itself into a session of its own.
+SESSION_VARIABLE = "DECODER_CONFORMANCE_TEST_SESSION"
+os.environ.setdefault(SESSION_VARIABLE, uuid.uuid4().hex)
+_SURVIVOR_GRACE_SECONDS = 10.0
+
+
+def _live_processes_of_this_run() -> list[str]:
+    marker = f"{SESSION_VARIABLE}={os.environ[SESSION_VARIABLE]}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environment = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError):
+            continue  # gone already, or not ours to read
+        if state != "Z" and marker in environment.split(b"\0"):
+            found.append(f"{entry.name}: {command.decode(errors='replace')[:200]}")
+    return found
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if any process it started is still alive (checked once, by the controller)."""
+    if hasattr(session.config, "workerinput") or not Path("/proc").is_dir():
+        return
+    deadline = time.monotonic() + _SURVIVOR_GRACE_SECONDS
+    while (left := _live_processes_of_this_run()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"{len(left)} process(es) started by the test run outlived it:", *left]
+        if reporter is not None:
+            reporter.write_line("")
+            reporter.write_line("\n".join(lines), red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

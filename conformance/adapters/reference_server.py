@@ -3,15 +3,21 @@
 Run it as ``python -m conformance.adapters.reference_server``; check it with
 ``decoder-conformance run --adapter subprocess --backend-command
 "python -m conformance.adapters.reference_server"``. A port to another language follows
-the same loop: read a line, act, write one line back, flush.
+the same loop: read a line, act, write one line back, flush; exit at ``shutdown`` or at the
+end of input.
+
+It never crashes on what it reads: a malformed request (not JSON, nested too deeply, a
+number too long, a wrong field, an array whose data does not fit its shape, a line longer
+than :data:`MAX_REQUEST_BYTES`) gets a ``protocol`` error naming the field, a refused input
+its spec kind, and anything else the reference raises an ``internal`` error.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
-from typing import Any, TextIO
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
 from conformance.adapter import Refusal
 from conformance.adapters.reference import ReferenceBackend
@@ -28,7 +34,9 @@ from conformance.protocol import (
 )
 from spec.recipe import SplitMix64
 
-__all__ = ["Server", "main"]
+__all__ = ["MAX_REQUEST_BYTES", "Server", "main"]
+
+MAX_REQUEST_BYTES = 1 << 30  # far above any request the suite sends at its sizes
 
 
 class Server:
@@ -177,12 +185,14 @@ class Server:
             request = parse_message(line)
             identifier = request.get("id")
             if not isinstance(identifier, int) or isinstance(identifier, bool):
-                raise ProtocolError(f"request field 'id' must be an integer, got {identifier!r}")
-            operation = self.operations.get(str(request.get("op")))
-            if operation is None:
+                identifier = None
                 raise ProtocolError(
-                    f"unknown op {request.get('op')!r}; known: {', '.join(self.operations)}"
+                    f"request field 'id' must be an integer, got {request.get('id')!r:.60}"
                 )
+            op = request.get("op")
+            operation = self.operations.get(op) if isinstance(op, str) else None
+            if operation is None:
+                raise ProtocolError(f"unknown op {op!r:.60}; known: {', '.join(self.operations)}")
             return {"id": identifier, "ok": True, "result": operation(request)}
         except Refusal as refusal:
             error = {
@@ -192,21 +202,53 @@ class Server:
             }
             return {"id": identifier, "ok": False, "error": error}
         except ProtocolError as problem:
-            return {
-                "id": identifier,
-                "ok": False,
-                "error": {"kind": "protocol", "message": str(problem), "details": {}},
-            }
+            return _error(identifier, "protocol", str(problem))
+        except (TypeError, ValueError, OverflowError, RecursionError) as problem:
+            # A field of the right JSON type but an impossible value (a config size of
+            # 10**30, say) that the reference's own checks did not classify.
+            return _error(identifier, "protocol", f"{type(problem).__name__}: {problem}")
+        except Exception as problem:  # the server answers; it does not die
+            return _error(identifier, "internal", f"{type(problem).__name__}: {problem}")
 
-    def serve(self, source: TextIO, sink: TextIO) -> None:
+    def serve(self, source: BinaryIO, sink: BinaryIO) -> None:
         """Answer every line until ``shutdown`` or the end of input."""
-        for line in source:
-            if not line.strip():
+        for line in _request_lines(source):
+            if line is None:
+                answer = _error(
+                    None, "protocol", f"request line longer than {MAX_REQUEST_BYTES} bytes"
+                )
+            elif not line.strip():
                 continue
-            sink.write(json.dumps(self.answer(line), allow_nan=False) + "\n")
+            else:
+                answer = self.answer(line.decode("utf-8", errors="replace"))
+            sink.write((json.dumps(answer, allow_nan=False) + "\n").encode())
             sink.flush()
             if not self.running:
                 return
+
+
+def _error(identifier: int | None, kind: str, message: str) -> dict[str, Any]:
+    return {
+        "id": identifier,
+        "ok": False,
+        "error": {"kind": kind, "message": message[:2000], "details": {}},
+    }
+
+
+def _request_lines(source: BinaryIO) -> Iterator[bytes | None]:
+    """Each line of ``source``; None for a line over the limit (read past, not kept)."""
+    while True:
+        line = source.readline(MAX_REQUEST_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_REQUEST_BYTES and not line.endswith(b"\n"):
+            while True:
+                rest = source.readline(1 << 20)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield None
+            continue
+        yield line
 
 
 def _jsonable(details: dict[str, Any]) -> dict[str, Any]:
@@ -224,7 +266,7 @@ def _jsonable(details: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     """Serve standard input to standard output."""
-    Server().serve(sys.stdin, sys.stdout)
+    Server().serve(sys.stdin.buffer, sys.stdout.buffer)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,24 @@
 """The subprocess adapter: a backend in any language, spoken to over JSON lines.
 
 The suite starts ``--backend-command`` once, says hello, and sends one request per line
-(``PROTOCOL.md``). A backend that crashes, hangs past ``--backend-timeout`` or answers
-something that is not the protocol fails the test that was asking, with the tail of its
-stderr; the next request starts a fresh process, so the rest of the suite goes on. Every
-process is started in its own session and killed with its whole process group.
+(``PROTOCOL.md``). A backend that crashes, hangs past ``--backend-timeout``, answers
+something that is not the protocol (a malformed field, a dtype its precision does not
+allow, an answer larger than twice the largest legitimate one) fails the test that was
+asking, with the tail of its stderr; the next request starts a fresh process, so the rest
+of the suite goes on. Three timeouts in a row end the wait for good. The process and all
+it starts run under :mod:`conformance.supervisor` and end with the run
+(:mod:`conformance.backend_process`).
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
-import json
-import os
-import queue
+import math
 import shlex
-import signal
-import subprocess
-import threading
-import time
 import weakref
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -38,7 +34,9 @@ from conformance.adapter import (
     Parameters,
     Refusal,
 )
+from conformance.backend_process import MIN_RESPONSE_BYTES, BackendFault, BackendProcess
 from conformance.protocol import (
+    MAX_NAME_LENGTH,
     PROTOCOL_NAME,
     PROTOCOL_VERSION,
     ProtocolError,
@@ -47,7 +45,7 @@ from conformance.protocol import (
     encode_config,
     encode_input,
     encode_parameters,
-    parse_message,
+    printable,
 )
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
@@ -56,147 +54,28 @@ from spec.tolerances import Precision
 
 __all__ = ["BackendFault", "SubprocessBackend"]
 
-_STDERR_LINES = 40
-_POLL_SECONDS = 0.05
+# Consecutive timed-out requests after which the backend is given up on for the run: each
+# further request fails at once, so a dead backend costs minutes, not hours of timeouts.
+MAX_CONSECUTIVE_TIMEOUTS = 3
+SHUTDOWN_SECONDS = 2.0
+_ENVELOPE = 256  # JSON around one array: its name, dtype, shape and the quotes
 
 
-class BackendFault(RuntimeError):
-    """The backend process crashed, hung, or broke the protocol."""
-
-
-class _Process:
-    """One running backend: a writer, a reader thread per output stream, a deadline per answer."""
-
-    def __init__(self, command: list[str]) -> None:
-        try:
-            self.popen = subprocess.Popen(
-                command,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                encoding="utf-8",
-                errors="replace",
-                bufsize=1,
-                start_new_session=True,
-            )
-        except OSError as error:
-            raise BackendLoadError(
-                f"cannot start backend command {shlex.join(command)}: {error}"
-            ) from error
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
-        self._pump(self.popen.stdout, self.lines.put, end=lambda: self.lines.put(None))
-        self._pump(self.popen.stderr, self.stderr_tail.append, end=lambda: None)
-
-    @staticmethod
-    def _pump(stream: IO[str] | None, sink: Any, end: Any) -> None:
-        def run() -> None:
-            assert stream is not None
-            for line in stream:
-                sink(line)
-            end()
-
-        threading.Thread(target=run, daemon=True).start()
-
-    def stderr(self) -> str:
-        """The last lines the backend wrote to stderr, or a note that it wrote none."""
-        text = "".join(self.stderr_tail).rstrip()
-        return (
-            f"\nbackend stderr (last {_STDERR_LINES} lines):\n{text}"
-            if text
-            else "\n(backend wrote nothing to stderr)"
-        )
-
-    def exchange(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Send one request line and wait for its one response line."""
-        operation = message.get("op")
-        try:
-            assert self.popen.stdin is not None
-            self.popen.stdin.write(json.dumps(message, allow_nan=False) + "\n")
-            self.popen.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self._wait_briefly()
-            raise BackendFault(
-                f"backend process exited with status {self.popen.returncode} "
-                f"before '{operation}'{self.stderr()}"
-            ) from None
-        try:
-            line = self._next_line(timeout)
-        except TimeoutError:
-            self.stop()
-            raise BackendFault(
-                f"backend did not answer '{operation}' within {timeout:g} s (killed){self.stderr()}"
-            ) from None
-        if line is None:
-            self.stop()
-            raise BackendFault(
-                f"backend process exited with status {self.popen.returncode} "
-                f"while answering '{operation}'{self.stderr()}"
-            )
-        try:
-            response = parse_message(line)
-        except ProtocolError as error:
-            self.stop()
-            raise BackendFault(
-                f"backend answered '{operation}' with {error}{self.stderr()}"
-            ) from None
-        if response.get("id") != message["id"] or not isinstance(response.get("ok"), bool):
-            self.stop()
-            raise BackendFault(
-                f"backend answered '{operation}' with a malformed response "
-                f"{line.strip()!r:.300}{self.stderr()}"
-            )
-        return response
-
-    def _next_line(self, timeout: float) -> str | None:
-        """The next output line, or None once the process has exited; TimeoutError at the deadline.
-
-        A child of the backend may keep its stdout open after the backend itself died, so
-        the end of output alone cannot tell that the backend is gone: poll it as well.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError
-            try:
-                return self.lines.get(timeout=min(remaining, _POLL_SECONDS))
-            except queue.Empty:
-                if self.popen.poll() is not None:
-                    try:  # a last answer may still be on its way through the pipe
-                        return self.lines.get(timeout=_POLL_SECONDS)
-                    except queue.Empty:
-                        return None
-
-    def _wait_briefly(self) -> None:
-        try:
-            self.popen.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self.stop()
-
-    def alive(self) -> bool:
-        """Whether the process still runs."""
-        return self.popen.poll() is None
-
-    def stop(self) -> None:
-        """Kill the process and everything it started (its process group, which can outlive it)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=5)
-        for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+def response_limit(scalars: int, arrays: int) -> int:
+    """Bytes an answer may take: twice the largest legitimate one (``scalars`` float64
+    values as base64 in ``arrays`` array messages), and 1 MiB at least."""
+    legitimate = 4 * math.ceil(8 * scalars / 3) + _ENVELOPE * (arrays + 1)
+    return max(2 * legitimate, MIN_RESPONSE_BYTES)
 
 
 @dataclass(frozen=True, eq=False)
 class _Model:
-    """A model handle: which backend process made it, and that process's number for it."""
+    """A model handle: which backend process made it, that process's number for it, and
+    the configuration it was built with (which bounds the size of its answers)."""
 
     generation: int
     number: int
+    config: DecoderConfig
 
 
 class SubprocessBackend(BackendBase):
@@ -208,44 +87,64 @@ class SubprocessBackend(BackendBase):
                 'the subprocess adapter needs --backend-command "COMMAND" '
                 "(the program that speaks PROTOCOL.md)"
             )
-        self.command = shlex.split(options.backend_command)
+        try:
+            self.command = shlex.split(options.backend_command)
+        except ValueError as error:
+            raise BackendLoadError(f"--backend-command cannot be split: {error}") from None
+        if not self.command:
+            raise BackendLoadError("--backend-command is empty")
         self.timeout = options.timeout
-        self._process: _Process | None = None
+        self._process: BackendProcess | None = None
         self._generation = 0
         self._next_id = 0
         self._closing = False
         self._released: list[tuple[int, int]] = []
         self._fault: BackendFault | None = None
+        self._timeouts_in_a_row = 0
+        self._given_up: str | None = None
         try:
             hello = self._call("hello", protocol=PROTOCOL_NAME, version=PROTOCOL_VERSION)
-        except BackendFault as fault:
+            self._adopt_hello(hello)
+        except (BackendFault, BackendLoadError) as fault:
             self.close()
+            if isinstance(fault, BackendLoadError):
+                raise
             raise BackendLoadError(f"backend did not complete hello: {fault}") from None
-        self._adopt_hello(hello)
         atexit.register(self.close)
 
     def _adopt_hello(self, hello: dict[str, Any]) -> None:
         if hello.get("protocol") != PROTOCOL_NAME or hello.get("version") != PROTOCOL_VERSION:
             raise BackendLoadError(
-                f"backend speaks {hello.get('protocol')!r} version {hello.get('version')!r}, "
+                f"backend speaks {printable(repr(hello.get('protocol')), one_line=True):.80} "
+                f"version {printable(repr(hello.get('version')), one_line=True):.40}, "
                 f"but the suite speaks {PROTOCOL_NAME!r} version {PROTOCOL_VERSION}"
             )
         try:
-            self.name = str(hello["backend"])
-            self.version = str(hello["backend_version"])
+            name, version = hello["backend"], hello["backend_version"]
+            if not isinstance(name, str) or not isinstance(version, str):
+                raise TypeError("backend and backend_version must be strings")
+            if not 0 < len(name) <= MAX_NAME_LENGTH or len(version) > MAX_NAME_LENGTH:
+                raise ValueError(f"backend name and version hold 1 to {MAX_NAME_LENGTH} characters")
+            capabilities = hello["capabilities"]
+            if not isinstance(capabilities, list):
+                raise TypeError("capabilities must be a list")
+            # Shown in a terminal and in Markdown: a name cannot carry escapes or lines.
+            self.name = printable(name, one_line=True)
+            self.version = printable(version, one_line=True)
             self.precision = Precision(hello["precision"])
-            self.capabilities = frozenset(Capability(c) for c in hello["capabilities"])
+            self.capabilities = frozenset(Capability(c) for c in capabilities)
         except (KeyError, ValueError, TypeError) as error:
             raise BackendLoadError(
-                f"backend's hello is incomplete or invalid ({error}): {hello!r:.300}"
+                f"backend's hello is incomplete or invalid ({error}): "
+                f"{printable(repr(hello), one_line=True):.300}"
             ) from None
 
     # ------------------------------------------------------------------ transport
-    def _ensure_process(self) -> _Process:
+    def _ensure_process(self) -> BackendProcess:
         if self._process is None or not self._process.alive():
             if self._process is not None:
                 self._process.stop()
-            self._process = _Process(self.command)
+            self._process = BackendProcess(self.command)
             self._generation += 1
             if self._generation > 1:
                 # A restarted backend must introduce itself again before it is used.
@@ -255,41 +154,93 @@ class SubprocessBackend(BackendBase):
         return self._process
 
     def _request(
-        self, process: _Process, operation: str, arguments: dict[str, Any]
+        self,
+        process: BackendProcess,
+        operation: str,
+        arguments: dict[str, Any],
+        *,
+        limit: int = MIN_RESPONSE_BYTES,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         self._next_id += 1
+        wait = self.timeout if timeout is None else timeout
         try:
             response = process.exchange(
-                {"id": self._next_id, "op": operation, **arguments}, self.timeout
+                {"id": self._next_id, "op": operation, **arguments}, wait, limit
             )
-        except BackendFault:
+        except BackendFault as fault:
             process.stop()
+            self._count_timeout(fault, wait)
             raise
+        if operation not in ("hello", "release", "shutdown"):
+            # Only an answer to real work shows the backend works: a restarted process
+            # always greets.
+            self._timeouts_in_a_row = 0
+        try:
+            return self._outcome(operation, response, process)
+        except ProtocolError as error:
+            process.stop()  # a backend that breaks the protocol starts afresh for the next test
+            raise BackendFault(
+                f"backend's answer to '{operation}' breaks the protocol: {error}{process.stderr()}"
+            ) from None
+
+    def _count_timeout(self, fault: BackendFault, wait: float) -> None:
+        if "did not answer" not in str(fault) and "did not read" not in str(fault):
+            self._timeouts_in_a_row = 0
+            return
+        self._timeouts_in_a_row += 1
+        if self._timeouts_in_a_row >= MAX_CONSECUTIVE_TIMEOUTS:
+            self._given_up = (
+                f"backend stopped answering: {self._timeouts_in_a_row} requests in a row took "
+                f"longer than {wait:g} s; the rest of the run does not wait for it "
+                "(--backend-timeout sets the wait)"
+            )
+
+    @staticmethod
+    def _outcome(
+        operation: str, response: dict[str, Any], process: BackendProcess
+    ) -> dict[str, Any]:
+        """The result object of an answer, or the Refusal it carries."""
         if response["ok"]:
             result = response.get("result")
             if not isinstance(result, dict):
-                raise BackendFault(f"backend's answer to '{operation}' has no result object")
+                raise ProtocolError("an answer with ok true must carry a result object")
             return result
         error = response.get("error")
         if not isinstance(error, dict):
-            raise BackendFault(f"backend's refusal of '{operation}' has no error object")
-        kind, message = error.get("kind"), str(error.get("message", ""))
-        details = error.get("details") if isinstance(error.get("details"), dict) else {}
+            raise ProtocolError("an answer with ok false must carry an error object")
+        kind, message = error.get("kind"), error.get("message", "")
+        details = error.get("details", {})
+        if not isinstance(message, str) or not isinstance(details, dict):
+            raise ProtocolError("error.message must be a string and error.details an object")
+        message = printable(message)
         if kind in {str(k) for k in ErrorKind}:
             raise Refusal(ErrorKind(kind), message, details)
-        raise BackendFault(f"backend failed '{operation}' ({kind}): {message}{process.stderr()}")
+        raise BackendFault(
+            f"backend failed '{operation}' "
+            f"({printable(repr(kind), one_line=True):.60}): {message:.2000}{process.stderr()}"
+        )
 
-    def _call(self, operation: str, **arguments: Any) -> dict[str, Any]:
+    def _call(
+        self,
+        operation: str,
+        *,
+        limit: int = MIN_RESPONSE_BYTES,
+        timeout: float | None = None,
+        **arguments: Any,
+    ) -> dict[str, Any]:
+        if self._given_up is not None:
+            raise BackendFault(self._given_up)
         if self._fault is not None:
             # Within one test a broken backend stays broken: fail at once instead of waiting
-            # out another timeout for every example hypothesis tries while it shrinks.
-            raise BackendFault(
-                f"{self._fault} [raised again: the backend failed earlier in this test]"
-            )
+            # out another timeout for every example hypothesis tries while it shrinks. The
+            # stderr tail was shown with the first failure: it is not repeated.
+            first = str(self._fault).split("\nbackend stderr", 1)[0].split("\n(backend", 1)[0]
+            raise BackendFault(f"{first} [raised again: the backend failed earlier in this test]")
         try:
             process = self._ensure_process()
             self._release_dropped_models(process)
-            return self._request(process, operation, arguments)
+            return self._request(process, operation, arguments, limit=limit, timeout=timeout)
         except BackendFault as fault:
             self._fault = fault
             raise
@@ -298,11 +249,23 @@ class SubprocessBackend(BackendBase):
         """A new test starts: forget an earlier fault (the next request starts a new process)."""
         self._fault = None
 
-    def _handle(self, result: dict[str, Any]) -> _Model:
-        model = _Model(self._generation, int(result["model"]))
+    def _handle(self, result: dict[str, Any], config: DecoderConfig) -> _Model:
+        number = result.get("model")
+        if not isinstance(number, int) or isinstance(number, bool) or not 0 <= number < 2**63:
+            raise self._broken(f"result.model must be an integer handle, got {number!r:.60}")
+        model = _Model(self._generation, number, config)
         # Released lazily, before the next request: a finalizer must not interleave with one.
         weakref.finalize(model, self._released.append, (model.generation, model.number))
         return model
+
+    def _broken(self, problem: str) -> BackendFault:
+        """A fault for an answer whose fields break the protocol; the process starts afresh."""
+        process, stderr = self._process, ""
+        if process is not None:
+            stderr = process.stderr()
+            process.stop()
+        self._fault = BackendFault(f"backend's answer breaks the protocol: {problem}{stderr}")
+        return self._fault
 
     def _model_arguments(self, model: _Model) -> dict[str, Any]:
         if (
@@ -313,35 +276,74 @@ class SubprocessBackend(BackendBase):
             raise BackendFault("this model lived in a backend process that has since stopped")
         return {"model": model.number}
 
-    def _release_dropped_models(self, process: _Process) -> None:
+    def _release_dropped_models(self, process: BackendProcess) -> None:
         while self._released:
             generation, number = self._released.pop()
             if generation == self._generation:
                 self._request(process, "release", {"model": number})
 
     def close(self) -> None:
-        """Ask the backend to shut down, then make sure its process group is gone."""
+        """Ask the backend to shut down (a short wait), then make sure its tree is gone."""
         if self._process is None or self._closing:
             return
         self._closing = True
         process, self._process = self._process, None
         if process.alive():
-            with contextlib.suppress(BackendFault, Refusal):
-                self._request(process, "shutdown", {})
+            with contextlib.suppress(BackendFault, Refusal, ProtocolError):
+                self._request(process, "shutdown", {}, timeout=min(self.timeout, SHUTDOWN_SECONDS))
         process.stop()
         self._closing = False
+
+    # --------------------------------------------------------------- decoding
+    def _floats(self, message: object, what: str) -> FloatArray:
+        """A floating array in the declared precision (float64 always allowed), as float64."""
+        try:
+            array = decode_array(message, what)
+        except ProtocolError as error:
+            raise self._broken(str(error)) from None
+        allowed = {"float64", str(self.precision)}
+        if array.dtype.name not in allowed:
+            raise self._broken(
+                f"{what} has dtype {array.dtype.name}, but the backend declares "
+                f"{self.precision}: send {' or '.join(sorted(allowed))}"
+            )
+        return array.astype(np.float64)
+
+    def _named_floats(self, message: object, what: str) -> list[tuple[str, FloatArray]]:
+        try:
+            entries = decode_parameters(message, what)
+        except ProtocolError as error:
+            raise self._broken(str(error)) from None
+        allowed = {"float64", str(self.precision)}
+        for index, (name, value) in enumerate(entries):
+            if value.dtype.name not in allowed:
+                raise self._broken(
+                    f"{what}[{index}] ({printable(name, one_line=True)}) has dtype "
+                    f"{value.dtype.name}, but the backend declares {self.precision}"
+                )
+        return [
+            (printable(name, one_line=True), value.astype(np.float64)) for name, value in entries
+        ]
+
+    def _stream_state(self, value: object, what: str) -> int:
+        if not isinstance(value, str) or not value.isdigit() or len(value) > 20:
+            raise self._broken(f"{what} must be a decimal string, got {value!r:.60}")
+        state = int(value)
+        if state >= 2**64:
+            raise self._broken(f"{what} {state} is not an unsigned 64-bit integer")
+        return state
 
     # ------------------------------------------------------------------- protocol
     def build(self, config: DecoderConfig, parameters: Parameters) -> _Model:
         entries = [(name, np.asarray(value)) for name, value in parameters]
-        return self._handle(
-            self._call("build", config=encode_config(config), parameters=encode_parameters(entries))
+        result = self._call(
+            "build", config=encode_config(config), parameters=encode_parameters(entries)
         )
+        return self._handle(result, config)
 
     def build_seeded(self, config: DecoderConfig, seed: int) -> _Model:
-        return self._handle(
-            self._call("build_seeded", config=encode_config(config), seed=str(seed))
-        )
+        result = self._call("build_seeded", config=encode_config(config), seed=str(seed))
+        return self._handle(result, config)
 
     def initialize(self, config: DecoderConfig, stream: SplitMix64) -> _Model:
         try:
@@ -351,34 +353,43 @@ class SubprocessBackend(BackendBase):
         except Refusal as refusal:
             # The backend reports where its copy of the stream stands after refusing.
             if "stream_state" in refusal.details:
-                stream.adopt(SplitMix64(int(refusal.details.pop("stream_state"))))
+                state = self._stream_state(
+                    refusal.details.pop("stream_state"), "error.details.stream_state"
+                )
+                stream.adopt(SplitMix64(state))
             raise
-        stream.adopt(SplitMix64(int(result["stream_state"])))
-        return self._handle(result)
+        model = self._handle(result, config)
+        stream.adopt(SplitMix64(self._stream_state(result.get("stream_state"), "stream_state")))
+        return model
 
     def parameters(self, model: _Model) -> list[tuple[str, FloatArray]]:
-        result = self._call("parameters", **self._model_arguments(model))
-        return [
-            (name, value.astype(np.float64))
-            for name, value in decode_parameters(result.get("parameters"))
-        ]
+        config = model.config
+        result = self._call(
+            "parameters",
+            limit=response_limit(_parameter_scalars(config), 2 + 9 * _layers(config)),
+            **self._model_arguments(model),
+        )
+        return self._named_floats(result.get("parameters"), "parameters")
 
     def forward(
         self, model: _Model, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
     ) -> ForwardOutput:
         arguments = self._model_arguments(model)
+        positions = _positions(tokens, shape)
+        config = model.config
+        width, vocabulary = _size(config.model_width), _size(config.vocabulary_size)
+        stage_count = _layers(config) + 2
         result = self._call(
             "forward",
+            limit=response_limit(positions * (vocabulary + stage_count * width), stage_count + 1),
             **arguments,
             tokens=encode_input(tokens),
             shape=None if shape is None else [int(s) for s in shape],
         )
         stages = result.get("stages")
         return ForwardOutput(
-            logits=decode_array(result.get("logits"), "logits").astype(np.float64),
-            stages=None
-            if stages is None
-            else [(n, v.astype(np.float64)) for n, v in decode_parameters(stages, "stages")],
+            logits=self._floats(result.get("logits"), "logits"),
+            stages=None if stages is None else self._named_floats(stages, "stages"),
         )
 
     def loss(
@@ -391,8 +402,10 @@ class SubprocessBackend(BackendBase):
         detach_head: bool = False,
     ) -> LossOutput:
         arguments = self._model_arguments(model)
+        config = model.config
         result = self._call(
             "loss",
+            limit=response_limit(_parameter_scalars(config) + 1, 3 + 9 * _layers(config)),
             **arguments,
             tokens=encode_input(tokens),
             targets=encode_input(targets),
@@ -400,9 +413,43 @@ class SubprocessBackend(BackendBase):
             detach_head=detach_head,
         )
         gradients = result.get("gradients")
+        loss = self._floats(result.get("loss"), "loss")
+        if loss.size != 1:
+            raise self._broken(f"loss must hold one value, got shape {list(loss.shape)}")
         return LossOutput(
-            loss=float(decode_array(result.get("loss"), "loss")),
+            loss=float(loss.reshape(())),
             gradients=None
             if gradients is None
-            else {n: v.astype(np.float64) for n, v in decode_parameters(gradients, "gradients")},
+            else dict(self._named_floats(gradients, "gradients")),
         )
+
+
+def _size(value: object) -> int:
+    """A configuration size as an int (0 for the wrong-typed fields refusal tests send)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _layers(config: DecoderConfig) -> int:
+    return _size(config.layers)
+
+
+def _parameter_scalars(config: DecoderConfig) -> int:
+    width, ffn = _size(config.model_width), _size(config.feed_forward_width)
+    return (
+        _size(config.vocabulary_size) * width
+        + _layers(config) * (4 * width * width + 3 * width * ffn + 2 * width)
+        + width
+    )
+
+
+def _positions(tokens: npt.ArrayLike, shape: tuple[int, int] | None) -> int:
+    """How many token positions a forward answers for (0 when the input is malformed: its
+    answer is a refusal, which the 1 MiB floor covers)."""
+    if shape is not None:
+        with contextlib.suppress(TypeError, ValueError, OverflowError):
+            return max(int(shape[0]) * int(shape[1]), 0)
+        return 0
+    try:
+        return int(np.asarray(tokens).size)
+    except (TypeError, ValueError):
+        return 0

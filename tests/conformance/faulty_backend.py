@@ -1,4 +1,5 @@
-"""A reference server that misbehaves on one kind of request: crash, hang, or garbage.
+"""A reference server that misbehaves on one kind of request: crash, hang, garbage (a line
+of text) or broken JSON.
 
 Usage: ``python -m tests.faulty_backend MODE MARKER``. It also starts a child process that
 would outlive it, carrying MARKER in its command line, so a test can check that the suite
@@ -32,8 +33,8 @@ def main() -> None:
                 sys.stderr.write("faulty backend: hanging on purpose\n")
                 sys.stderr.flush()
                 time.sleep(600)
-            if mode == "garbage":
-                sys.stdout.write("this is not json\n")
+            if mode in ("garbage", "broken-json"):
+                sys.stdout.write("this is not json\n" if mode == "garbage" else '{"id": oops\n')
                 sys.stdout.flush()
                 continue
         sys.stdout.write(json.dumps(server.answer(line)) + "\n")
