@@ -17,6 +17,7 @@ import numpy.typing as npt
 import pytest
 
 from conformance.adapter import Backend, Refusal
+from conformance.coverage import RECORDER
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
 from spec.tolerances import scaled_error
@@ -40,6 +41,7 @@ class Case:
     targets: Any = None
     call: str = "backend.forward(model, tokens)"
     notes: dict[str, Any] = field(default_factory=dict)
+    variant: str = "recipe"  # the parameters: spec.variants.scenario_parameters
 
     def snippet(self, adapter: str) -> str:
         """Python that rebuilds the model and repeats the call against the same backend (the
@@ -52,8 +54,15 @@ class Case:
             f"backend = load_backend({adapter!r})",
             f"config = DecoderConfig({fields})",
         ]
-        if self.seed is not None:
+        if self.seed is not None and self.variant == "recipe":
             lines.append(f"model = backend.build(config, initial_parameters(config, {self.seed}))")
+        elif self.seed is not None:
+            lines += [
+                "from spec.variants import scenario_parameters",
+                "parameters = scenario_parameters(config, "
+                f"{self.seed}, {self.variant!r})  # gains other than 1",
+                "model = backend.build(config, parameters)",
+            ]
         if self.tokens is not None:
             lines.append(f"tokens = {_literal(self.tokens)}")
         if self.targets is not None:
@@ -176,6 +185,7 @@ class Judge:
     ) -> Refusal:
         """``action`` must raise a :class:`Refusal` of kind ``expected`` carrying ``details``;
         ``reason`` (why that kind) follows the expected kind in a failure message."""
+        RECORDER.requested(expected)
         expected_text = f"{expected} ({reason})" if reason else str(expected)
         # Judged outside the except clauses, so a failure is not chained to the refusal and
         # its first line is the rule's own message.

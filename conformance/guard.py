@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from conformance.adapter import Backend, Refusal
+from conformance.coverage import RECORDER
 
 __all__ = ["METHODS", "AdapterFault", "GuardedBackend", "adapter_location"]
 
@@ -108,6 +109,7 @@ class GuardedBackend:
     def _guarded(self, method: str, call: Callable[..., Any]) -> Callable[..., Any]:
         def guarded(*arguments: Any, **keywords: Any) -> Any:
             caught: Exception | None = None
+            RECORDER.call(method, arguments)
             try:
                 result = call(*arguments, **keywords)
             except Refusal:
@@ -118,6 +120,8 @@ class GuardedBackend:
                 raise AdapterFault(self._message(method, arguments, caught))
             if method in ("build", "build_seeded", "initialize") and arguments:
                 self._configs[id(result)] = f"model of {arguments[0]!r}"
+                RECORDER.built(method, arguments)
+            RECORDER.answered(method, arguments, result)
             return result
 
         return guarded

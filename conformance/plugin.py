@@ -183,6 +183,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None]:
     """An adapter fault is reported by its message alone: what raised, where, on what call."""
     outcome: Any = yield
+    if _is_conformance_test(item):
+        from conformance.coverage import PROPERTY, RECORDER
+
+        # This test's share of what the run sent, carried to the controller with the report.
+        outcome.get_result().user_properties.append((PROPERTY, RECORDER.take()))
     if call.excinfo is not None and _is_conformance_test(item):
         from conformance.guard import AdapterFault
 

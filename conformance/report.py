@@ -14,7 +14,13 @@ JSON schema (``schema_version`` 2)::
       "rules": [{"id": str, "category": str, "statement": str, "status": str,
                  "duration": float, "tests": int, "message": str,
                  "results": [{"test": str, "outcome": str, "duration": float}],
-                 "reproduction": str | null}]
+                 "reproduction": str | null}],
+      "coverage": {"calls": {str: int}, "kinds_requested": {str: int},
+                   "token_inputs": {str: int}, "parameter_dtypes": {str: int},
+                   "models_with_other_gains": int, "models_with_unit_gains": int,
+                   "largest_logit": float, "longest_sequence": int,
+                   "largest_position": int, "size_ranges": {str: [int, int]},
+                   "rope_bases": [float], "rms_epsilons": [float]}
     }
 
 ``status`` is one of ``passed``, ``failed``, ``skipped``, ``xfailed`` (listed as expected to
@@ -22,7 +28,8 @@ fail, and at least one test did; ``message`` then starts with how many passed), 
 (listed as expected, yet every test passed), and ``untested`` (no test ran). ``message``
 holds the first failure, or the skip reason, or is empty. ``seed`` is null for a
 derandomized run (profile ``ci``), whose examples are fixed per test. ``reproduction`` is a
-script that reruns the first failing test and exits 1 while it fails.
+script that reruns the first failing test and exits 1 while it fails. ``coverage`` is what
+the run sent (:mod:`conformance.coverage`); a reader accepts a report without it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from conformance.coverage import InputCoverage
 from conformance.protocol import printable
 from spec.rules import RULES
 
@@ -162,6 +170,7 @@ class RuleTally:
         }
     )
     _messages: dict[str, dict[str, str]] = field(default_factory=dict)
+    coverage: InputCoverage = field(default_factory=InputCoverage)
 
     def record(
         self, rule_id: str, outcome: str, duration: float, message: str, test: str = ""
@@ -250,6 +259,7 @@ def _document(
         "environment": identity.environment,
         "contract": {"checked": contract is not None, "violations": list(contract or [])},
         "summary": tally.summary(),
+        "coverage": tally.coverage.as_dict(),
         "rules": [
             {
                 "id": r.id,
@@ -334,6 +344,7 @@ class Report:
     output: str = ""
     error: str = ""
     contract: list[str] = field(default_factory=list)
+    coverage: dict[str, Any] = field(default_factory=dict)
 
     @property
     def summary(self) -> dict[str, int]:
@@ -395,8 +406,11 @@ class Report:
                 for r in document["rules"]
             ]
             contract = [str(v) for v in document["contract"]["violations"]]
+            coverage = document.get("coverage") or {}
+            if not isinstance(coverage, dict):
+                raise ReportError(f"coverage must be an object, got {type(coverage).__name__}")
         except ReportError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise ReportError(f"malformed report ({type(error).__name__}: {error})") from None
-        return cls(status, identity, rules, output, contract=contract)
+        return cls(status, identity, rules, output, contract=contract, coverage=coverage)

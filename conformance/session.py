@@ -23,6 +23,9 @@ import pytest
 
 from conformance import __version__
 from conformance.adapter import Backend, BackendLoadError, BackendOptions, load_backend
+from conformance.coverage import PROPERTY as COVERAGE_PROPERTY
+from conformance.coverage import RECORDER as COVERAGE_RECORDER
+from conformance.coverage import render_coverage
 from conformance.files import write_atomically
 from conformance.guard import GuardedBackend
 from conformance.profiles import active
@@ -306,8 +309,13 @@ class SuiteSession:
         node.workerinput[_WORKER_KEY] = json.dumps(self.contract)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        """Fold each conformance test's final outcome into its rule."""
-        rule_id = dict(report.user_properties).get("rule")
+        """Fold each conformance test's final outcome into its rule, and what it sent into
+        the run's coverage."""
+        properties = dict(report.user_properties)
+        share = properties.get(COVERAGE_PROPERTY)
+        if isinstance(share, dict):
+            self.tally.coverage.merge(share)
+        rule_id = properties.get("rule")
         verdict = outcome(report) if rule_id is not None else None
         if verdict is None:
             return
@@ -322,8 +330,11 @@ class SuiteSession:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """The rule table after pytest's own summary."""
         if self.ran:
+            self.tally.coverage.merge(COVERAGE_RECORDER.take())  # the controller's own calls
             terminalreporter.section("decoder-conformance rules")
             terminalreporter.write(render_table(self.tally, self.identity()))
+            terminalreporter.section("decoder-conformance input coverage")
+            terminalreporter.write(render_coverage(self.tally.coverage.as_dict()))
 
     def _reproductions(self) -> dict[str, str]:
         scripts = {}

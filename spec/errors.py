@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import SupportsIndex
 
 __all__ = [
+    "ADAPTER_KINDS",
     "CONFIG_RULE_ORDER",
     "ErrorCategory",
     "ErrorKind",
@@ -193,3 +194,9 @@ def describe_bytes(count: int) -> str:
             return f"{count / 1024**power:.1f} {unit}"
     # Past 1024 EiB only the magnitude means anything (and the int may not fit a float).
     return f"about 10^{int(count.bit_length() * 0.30103)} bytes"
+
+
+# The kinds a backend is asked for through an adapter: all but the reference tape's own.
+ADAPTER_KINDS: tuple[ErrorKind, ...] = tuple(
+    kind for kind in ErrorKind if kind.category is not ErrorCategory.TAPE
+)

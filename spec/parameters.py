@@ -11,6 +11,7 @@ __all__ = [
     "EMBEDDING_NAME",
     "FINAL_NORM_NAME",
     "NAME_PATTERN",
+    "is_gain_name",
     "parameter_count",
     "parameter_layout",
     "parameter_names",
@@ -35,6 +36,11 @@ BLOCK_PARAMETER_SUFFIXES: tuple[str, ...] = (
 
 # Lowercase ASCII letters, digits and underscores, in non-empty dot-separated segments.
 NAME_PATTERN = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)*")
+
+
+def is_gain_name(name: str) -> bool:
+    """Whether ``name`` is an RMSNorm gain (``final_norm.gain``, ``blocks.{i}.*_norm.gain``)."""
+    return name.endswith("_norm.gain")
 
 
 def tensor_count(layers: int) -> int:
