@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from conformance.adapter import Backend
 from conformance.checks import Case
 from spec.config import DecoderConfig
-from spec.recipe import initial_parameters
 from spec.strategies import configs, token_batches
+from spec.variants import scenario_parameters
 
 __all__ = ["Scenario", "scenarios", "suite_configs"]
 
@@ -42,16 +42,18 @@ def suite_configs(
 
 @dataclass(frozen=True)
 class Scenario:
-    """A configuration, the recipe's parameters for a seed, and a batch of tokens and targets."""
+    """A configuration, parameters for a seed (the recipe's, or a variant of them with other
+    gains and scales: :mod:`spec.variants`), and a batch of tokens and targets."""
 
     config: DecoderConfig
     seed: int
     tokens: IdArray
     targets: IdArray
+    variant: str = "recipe"
 
     def parameters(self) -> list[tuple[str, npt.NDArray[np.float64]]]:
-        """The recipe's named parameters."""
-        return initial_parameters(self.config, self.seed)
+        """The scenario's named parameters."""
+        return scenario_parameters(self.config, self.seed, self.variant)
 
     def build(self, backend: Backend) -> Any:
         """The backend's model over this scenario's parameters."""
@@ -59,7 +61,9 @@ class Scenario:
 
     def case(self, call: str = "backend.forward(model, tokens)", **notes: Any) -> Case:
         """The reproduction of a check made on this scenario."""
-        return Case(self.config, self.seed, self.tokens, self.targets, call, dict(notes))
+        return Case(
+            self.config, self.seed, self.tokens, self.targets, call, dict(notes), self.variant
+        )
 
 
 def scenarios(
@@ -69,8 +73,10 @@ def scenarios(
     max_layers: int = 2,
     full_context: bool | None = None,
     max_batch: int = 3,
+    variants: tuple[str, ...] = ("recipe", "varied"),
 ) -> st.SearchStrategy[Scenario]:
-    """Valid scenarios; ``full_context`` forces sequences as long as the context."""
+    """Valid scenarios; ``full_context`` forces sequences as long as the context; the
+    parameters are drawn from ``variants`` (shrinking towards the first)."""
 
     @st.composite
     def build(draw: st.DrawFn) -> Scenario:
@@ -85,6 +91,6 @@ def scenarios(
             draw(st.lists(ids, min_size=tokens.size, max_size=tokens.size)), dtype=np.int64
         ).reshape(tokens.shape)
         seed = draw(st.integers(0, 2**64 - 1))
-        return Scenario(config, seed, tokens, targets)
+        return Scenario(config, seed, tokens, targets, draw(st.sampled_from(variants)))
 
     return build()

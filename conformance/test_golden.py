@@ -9,7 +9,6 @@ from conformance.adapter import Backend
 from conformance.checks import Case, Judge
 from conformance.golden import case_path, golden_directory, load_golden
 from spec.golden import GOLDEN_CASES, GoldenCase, GoldenError, GoldenRecord, case_by_name
-from spec.recipe import initial_parameters
 from spec.tolerances import Tolerance
 
 NAMES = [case.name for case in GOLDEN_CASES]
@@ -48,7 +47,7 @@ def test_values_match_the_golden_case(
 ) -> None:
     """Stages are compared in order, so a failure names the first stage that deviates."""
     case, record, check, source = _setup(judge, name, "backend.forward(model, tokens)")
-    model = backend.build(case.config, initial_parameters(case.config, case.seed))
+    model = backend.build(case.config, case.parameters())
     output = backend.forward(model, case.tokens)
     if output.stages is not None:
         got = dict(output.stages)
@@ -68,7 +67,7 @@ def test_gradients_match_the_golden_case(
 ) -> None:
     call = "backend.loss(model, tokens, targets).gradients"
     case, record, check, source = _setup(judge, name, call)
-    model = backend.build(case.config, initial_parameters(case.config, case.seed))
+    model = backend.build(case.config, case.parameters())
     got = backend.loss(model, case.tokens, case.targets).gradients or {}
     for parameter, expected in record.gradients:
         if parameter not in got:

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from spec.config import FIXTURE, DecoderConfig
+from spec.variants import VARIANTS, scenario_parameters
 
 __all__ = [
     "FORMAT",
@@ -48,6 +49,11 @@ class GoldenCase:
     tokens: tuple[tuple[int, ...], ...]
     targets: tuple[tuple[int, ...], ...]
     catches: str
+    variant: str = "recipe"  # the parameters: spec.variants.scenario_parameters
+
+    def parameters(self) -> list[tuple[str, npt.NDArray[np.float64]]]:
+        """The case's named parameters: the recipe's for its seed, or a variant of them."""
+        return scenario_parameters(self.config, self.seed, self.variant)
 
 
 def _case(
@@ -58,9 +64,10 @@ def _case(
     targets: list[list[int]],
     *,
     catches: str,
+    variant: str = "recipe",
 ) -> GoldenCase:
     return GoldenCase(
-        name, config, seed, tuple(map(tuple, tokens)), tuple(map(tuple, targets)), catches
+        name, config, seed, tuple(map(tuple, tokens)), tuple(map(tuple, targets)), catches, variant
     )
 
 
@@ -177,6 +184,26 @@ GOLDEN_CASES: tuple[GoldenCase, ...] = (
         [[0, 31, 32, 63], [62, 2, 61, 1]],
         catches="most table rows are never looked up: their gradient is output-role only",
     ),
+    _case(
+        "varied-gains",
+        DecoderConfig(6, 8, 2, 12, 2, 4, rope_base=100.0),
+        419,
+        [[5, 0, 3, 1], [2, 2, 4, 0]],
+        [[0, 3, 1, 2], [2, 4, 0, 5]],
+        catches="gains of either sign away from 1 and rescaled matrices: a gain applied twice, "
+        "on the wrong side of a residual, or a norm stage reported before its gain",
+        variant="varied",
+    ),
+    _case(
+        "large-logits",
+        DecoderConfig(9, 8, 2, 8, 1, 4),
+        1000,
+        [[8, 1, 7, 2], [3, 6, 4, 5]],
+        [[1, 7, 2, 0], [6, 4, 5, 3]],
+        catches="logits in the thousands (a final gain of 1000): a loss that does not subtract "
+        "the row maximum overflows to inf",
+        variant="large",
+    ),
 )
 
 
@@ -232,6 +259,8 @@ def _payload(record: GoldenRecord) -> dict[str, Any]:
             "seed": str(case.seed),
             "tokens": [list(row) for row in case.tokens],
             "targets": [list(row) for row in case.targets],
+            # Only a variant is written, so files of the recipe's parameters keep their bytes.
+            **({"variant": case.variant} if case.variant != "recipe" else {}),
         },
         "expected": {
             "stages": [{"name": name, **_array(values)} for name, values in record.stages],
@@ -409,9 +438,14 @@ def _decode_record(text: str, source: str) -> GoldenRecord:
             tokens=tuple(tuple(int(t) for t in row) for row in case_entry["tokens"]),
             targets=tuple(tuple(int(t) for t in row) for row in case_entry["targets"]),
             catches=str(case_entry.get("catches", "")),
+            variant=str(case_entry.get("variant", "recipe")),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise GoldenError(source, name, f"case inputs are malformed ({error})") from None
+    if case.variant not in VARIANTS:
+        raise GoldenError(
+            source, name, f"case variant {case.variant!r:.40} is not one of {VARIANTS}"
+        )
     provenance_entry = _object(payload.get("provenance", {}), source, name, "provenance")
     provenance = {str(k): str(v) for k, v in provenance_entry.items()}
     return GoldenRecord(case, stages, logits, float(loss), gradients, provenance)

@@ -32,7 +32,6 @@ from spec.golden import (
     decode_record,
     encode_record,
 )
-from spec.recipe import initial_parameters
 from spec.tolerances import scaled_error
 
 __all__ = [
@@ -59,7 +58,7 @@ _LOG = logging.getLogger(__name__)
 
 def compute_record(backend: Backend, case: GoldenCase) -> GoldenRecord:
     """Run ``backend`` on ``case`` and record every stage, the logits, loss and gradients."""
-    model = backend.build(case.config, initial_parameters(case.config, case.seed))
+    model = backend.build(case.config, case.parameters())
     output = backend.forward(model, case.tokens)
     loss = backend.loss(model, case.tokens, case.targets)
     if output.stages is None or loss.gradients is None:

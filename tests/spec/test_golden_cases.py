@@ -11,7 +11,6 @@ from conformance.golden import load_golden
 from spec.golden import GOLDEN_CASES, GoldenCase, GoldenError, decode_record
 from spec.oracle import oracle_forward, to_float64
 from spec.oracle_gradients import oracle_gradients
-from spec.recipe import initial_parameters
 from spec.tolerances import scaled_error
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
@@ -21,7 +20,7 @@ NAMES = [case.name for case in GOLDEN_CASES]
 @pytest.mark.parametrize("case", GOLDEN_CASES, ids=NAMES)
 def test_golden_values_agree_with_the_oracle(case: GoldenCase) -> None:
     record = load_golden(case.name, GOLDEN)
-    parameters = initial_parameters(case.config, case.seed)
+    parameters = case.parameters()
     exact = oracle_forward(case.config, parameters, case.tokens, case.targets)
     for (name, stored), (_, truth) in zip(record.stages, exact.stages, strict=True):
         assert np.max(scaled_error(stored, to_float64(truth))) <= 1e-13, name

@@ -1,0 +1,56 @@
+"""Parameter lists beyond initialization: what a trained model looks like to a rule.
+
+The recipe sets every RMSNorm gain to 1 and draws every matrix at one Xavier scale, so a
+model straight from initialization hides every mistake that a gain of 1 or a uniform scale
+cancels: a final-norm stage reported before its gain, a gain applied twice or on the wrong
+side of a residual, a gain shared between the two norms of a block. The suite's rules run on
+these variants as well as on the recipe's parameters:
+
+- ``recipe``: :func:`spec.recipe.initial_parameters` as it is;
+- ``varied``: the same draws with every gain replaced by values of either sign with
+  magnitudes in [0.25, 2], and every matrix rescaled by its own factor in [0.5, 2];
+- ``large``: ``varied``, then the final gain multiplied by ``LARGE_GAIN``, so that the
+  logits reach the thousands (a loss computed without subtracting the row maximum
+  overflows there; the correct one stays finite).
+
+Everything is a function of ``(config, seed, variant)``, so a failure's reproduction
+rebuilds the same list.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from spec.config import DecoderConfig
+from spec.parameters import FINAL_NORM_NAME, is_gain_name
+from spec.recipe import initial_parameters
+
+__all__ = ["LARGE_GAIN", "VARIANTS", "scenario_parameters"]
+
+VARIANTS = ("recipe", "varied", "large")
+LARGE_GAIN = 1000.0
+
+ParameterList = list[tuple[str, npt.NDArray[np.float64]]]
+
+
+def scenario_parameters(config: DecoderConfig, seed: int, variant: str = "recipe") -> ParameterList:
+    """The named parameters of ``variant`` (one of :data:`VARIANTS`) for ``(config, seed)``."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown parameter variant {variant!r}; known: {', '.join(VARIANTS)}")
+    entries = initial_parameters(config, seed)
+    if variant == "recipe":
+        return entries
+    # Its own stream, so the recipe's draws stay the recipe's.
+    rng = np.random.Generator(np.random.PCG64(seed))
+    varied: ParameterList = []
+    for name, value in entries:
+        if is_gain_name(name):
+            signs = rng.choice(np.array([-1.0, 1.0]), size=value.shape)
+            new = signs * rng.uniform(0.25, 2.0, size=value.shape)
+        else:
+            new = value * rng.uniform(0.5, 2.0)
+        if variant == "large" and name == FINAL_NORM_NAME:
+            new = new * LARGE_GAIN
+        varied.append((name, np.ascontiguousarray(new, dtype=np.float64)))
+    return varied
