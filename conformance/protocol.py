@@ -39,7 +39,9 @@ __all__ = [
 
 PROTOCOL_NAME = "decoder-conformance"
 PROTOCOL_VERSION = 1
-_ARRAY_KINDS = "biuf"  # bool, signed, unsigned, floating: what a test may send or receive
+# Bool, signed, unsigned, floating and complex: what a test may send (complex and bool only
+# to be refused, as parameter values) or receive.
+_ARRAY_KINDS = "biufc"
 # Bounds no legitimate message comes near; past them a message is refused before anything
 # is allocated for it.
 MAX_RANK = 8
@@ -99,7 +101,7 @@ def decode_array(message: object, what: str = "array") -> npt.NDArray[Any]:
     except TypeError:
         raise ProtocolError(f"{what}.dtype {name!r} is not a numpy dtype") from None
     if dtype.kind not in _ARRAY_KINDS:
-        raise ProtocolError(f"{what}.dtype {name!r} is not bool, integer or floating")
+        raise ProtocolError(f"{what}.dtype {name!r} is not bool, integer, floating or complex")
     if not isinstance(shape_field, list) or len(shape_field) > MAX_RANK:
         raise ProtocolError(
             f"{what}.shape must be a list of at most {MAX_RANK} sizes, got {shape_field!r:.60}"

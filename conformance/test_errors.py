@@ -12,12 +12,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.adapter import Backend, Capability, call_build_seeded
+from conformance.adapter import Backend, Capability, Refusal, call_build_seeded
 from conformance.cases import Scenario, scenarios
 from conformance.checks import Case, Judge
+from conformance.coverage import RECORDER
 from conformance.profiles import suite_settings
 from spec.config import FIXTURE, DecoderConfig
 from spec.errors import ErrorCategory, ErrorKind
+from spec.oracle import oracle_rows, to_float64
+from spec.parameters import EMBEDDING_NAME
+from spec.recipe import initial_parameters
 from spec.strategies import (
     CONFIG_RULE_ORDER,
     config_rule_pairs,
@@ -26,7 +30,9 @@ from spec.strategies import (
     invalid_token_inputs,
     perturbed_parameter_lists,
 )
-from spec.validation import config_violation
+from spec.tolerances import Tolerance
+from spec.validation import config_violation, rebuild_violation, token_violation
+from spec.variants import scenario_parameters
 
 CONFIG_KINDS = (ErrorKind.CONFIG_FIELD_TYPE, *CONFIG_RULE_ORDER)
 TOKEN_SHAPE_KINDS = (
@@ -199,7 +205,50 @@ def _token_rule_pairs(scenario: Scenario) -> list[tuple[Any, tuple[int, int] | N
         (np.full((batch, context + 1), 0.5), None, ErrorKind.TOKEN_DTYPE),  # dtype before context
         (bad_ids.reshape(-1)[:-1], tokens.shape, ErrorKind.TOKEN_COUNT_MISMATCH),  # count first
         (np.zeros((batch, 0), dtype=np.int64), None, ErrorKind.EMPTY_TOKENS),
+        # B*T past 2**64 - 1 with T within the context: overflow before the count.
+        (
+            bad_ids.reshape(-1),
+            (2**64 // context + 1, context),
+            ErrorKind.TOKEN_COUNT_OVERFLOW,
+        ),
     ]
+
+
+# Token inputs of every other type: what the spec refuses (bool, floats, ragged rows,
+# strings) must be refused with token-dtype, and what it accepts (any integer dtype, nested
+# lists of ints) must give the int64 logits.
+TOKEN_INPUT_TYPES: dict[str, Callable[[np.ndarray[Any, Any]], Any]] = {
+    "bool": lambda ids: ids.astype(bool),
+    "int8": lambda ids: ids.astype(np.int8),
+    "int32": lambda ids: ids.astype(np.int32),
+    "uint64": lambda ids: ids.astype(np.uint64),
+    "float32": lambda ids: ids.astype(np.float32),
+    "nested-lists": lambda ids: ids.tolist(),
+    "ragged": lambda ids: [ids[0].tolist(), [*ids[0].tolist(), 0]],
+    "strings": lambda ids: ids.astype(str),
+}
+
+
+@pytest.mark.rule("ERR-TOKEN-SHAPE")
+@pytest.mark.parametrize("kind_of_input", list(TOKEN_INPUT_TYPES))
+def test_token_inputs_of_every_type(
+    backend: Backend, judge: Judge, tolerance: Tolerance, kind_of_input: str
+) -> None:
+    config = FIXTURE.config
+    ids = np.asarray(FIXTURE.tokens, dtype=np.int64)
+    tokens = TOKEN_INPUT_TYPES[kind_of_input](ids)
+    model = backend.build(config, initial_parameters(config, FIXTURE.seed))
+    check = judge.on(Case(config, FIXTURE.seed, tokens, notes={"input": kind_of_input}))
+    expected = token_violation(config, tokens)
+    if expected is not None:
+        check.refused(lambda: backend.forward(model, tokens), expected.kind)
+        return
+    check.close(
+        f"logits of {kind_of_input} token IDs",
+        backend.forward(model, tokens).logits,
+        backend.forward(model, ids).logits,
+        tolerance.values,
+    )
 
 
 @pytest.mark.rule("ERR-TARGET-COUNT")
@@ -435,3 +484,119 @@ def test_non_finite_parameters_are_refused(
     backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
 ) -> None:
     _rebuild_refusal(backend, judge, scenario, data, {ErrorKind.PARAMETER_NOT_FINITE})
+
+
+@pytest.mark.rule("ERR-RMS-ZERO")
+@suite_settings()
+@given(scenario=scenarios())
+def test_a_zero_row_with_epsilon_zero_is_refused(
+    backend: Backend, judge: Judge, scenario: Scenario
+) -> None:
+    """The embedding row of the first token is all zeros: with epsilon 0 the first RMSNorm
+    (a block's, or the final one at depth 0) would divide by zero; with epsilon > 0 it is
+    an ordinary input."""
+    token = int(scenario.tokens.flat[0])
+    entries = [
+        (name, value.copy() if name == EMBEDDING_NAME else value)
+        for name, value in scenario.parameters()
+    ]
+    entries[0][1][token] = 0.0
+    for epsilon in (0.0, 1e-6):
+        config = dataclasses.replace(scenario.config, rms_epsilon=epsilon)
+        model = backend.build(config, entries)
+        check = judge.on(
+            dataclasses.replace(
+                scenario.case(), config=config, notes={"zeroed_embedding_row": token}
+            )
+        )
+        if epsilon == 0.0:
+            check.refused(
+                functools.partial(backend.forward, model, scenario.tokens),
+                ErrorKind.RMS_ZERO_MEAN_SQUARE,
+            )
+        else:
+            check.finite("logits", backend.forward(model, scenario.tokens).logits)
+
+
+@pytest.mark.rule("ERR-SEED-RANGE")
+@pytest.mark.parametrize("seed", [-1, 2**64, 2**70], ids=["minus-one", "2**64", "2**70"])
+def test_a_seed_outside_the_u64_range_is_refused(backend: Backend, judge: Judge, seed: int) -> None:
+    config = FIXTURE.config
+    judge.on(Case(config, call=f"backend.build_seeded(config, {seed})")).refused(
+        lambda: call_build_seeded(backend, config, seed), ErrorKind.INVALID_SEED
+    )
+    # The configuration comes first: a bad configuration with a bad seed is a config error.
+    broken = dataclasses.replace(config, heads=0)
+    judge.on(Case(broken, call=f"backend.build_seeded(config, {seed})")).refused(
+        lambda: call_build_seeded(backend, broken, seed), ErrorKind.ZERO_HEAD_COUNT
+    )
+
+
+# Parameter values of the wrong type, each at a drawn index: the spec accepts any integer or
+# floating array as its values, and refuses the rest with parameter-dtype at the first index.
+PARAMETER_DTYPES = ("complex128", "bool", "int64", "float32")
+
+
+@pytest.mark.rule("ERR-REBUILD-DTYPES")
+@pytest.mark.parametrize("dtype", PARAMETER_DTYPES)
+@suite_settings(cost=3)
+@given(scenario=scenarios(), data=st.data())
+def test_parameters_of_other_dtypes(
+    backend: Backend, judge: Judge, scenario: Scenario, dtype: str, data: st.DataObject
+) -> None:
+    entries = scenario.parameters()
+    index = data.draw(st.integers(0, len(entries) - 1), label="index")
+    name, value = entries[index]
+    entries[index] = (name, np.round(value * 4).astype(dtype))
+    check = judge.on(
+        dataclasses.replace(
+            scenario.case("backend.build(config, parameters)"),
+            notes={"index": index, "dtype": dtype},
+        )
+    )
+    expected = rebuild_violation(scenario.config, entries)
+    if expected is not None:
+        check.refused(lambda: backend.build(scenario.config, entries), expected.kind, index=index)
+        return
+    check.finite(
+        "logits", backend.forward(backend.build(scenario.config, entries), scenario.tokens).logits
+    )
+
+
+# Sizes past any machine. 2**70 parameter scalars cannot be held anywhere; a plain
+# attention over 2**18 positions needs 2**36 scores (512 GiB), so a backend either refuses the
+# pass as a resource failure or computes it, and then its first rows must be right.
+HUGE_CONFIG = DecoderConfig(2**40, 2**30, 1, 1, 0, 1)
+ROOMY_CONFIG = DecoderConfig(3, 2, 1, 2, 1, 2**18)
+
+
+@pytest.mark.rule("ERR-RESOURCES")
+def test_sizes_past_any_machine_are_refused_as_resources(
+    backend: Backend, judge: Judge, tolerance: Tolerance
+) -> None:
+    if Capability.SEEDED_INIT in backend.capabilities:
+        judge.on(Case(HUGE_CONFIG, call="backend.build_seeded(config, 0)")).refused(
+            lambda: call_build_seeded(backend, HUGE_CONFIG, 0),
+            ErrorKind.PARAMETER_ALLOCATION_FAILED,
+        )
+    parameters = scenario_parameters(ROOMY_CONFIG, 18, "varied")
+    model = backend.build(ROOMY_CONFIG, parameters)
+    tokens = np.zeros((1, ROOMY_CONFIG.context), dtype=np.int64)
+    tokens[0, 1::3] = 1
+    check = judge.on(Case(ROOMY_CONFIG, 18, tokens, variant="varied"))
+    try:
+        logits = backend.forward(model, tokens).logits
+    except Refusal as refusal:
+        check.check(
+            refusal.kind is ErrorKind.ACTIVATION_ALLOCATION_FAILED,
+            "refusal kind",
+            f"{refusal.kind} ({refusal.message})",
+            f"{ErrorKind.ACTIVATION_ALLOCATION_FAILED}, or the logits",
+        )
+        return
+    finally:
+        RECORDER.requested(ErrorKind.ACTIVATION_ALLOCATION_FAILED)
+    rows = (0, 1, 2, 3)
+    exact = to_float64(oracle_rows(ROOMY_CONFIG, parameters, tokens[0], rows))
+    for row, expected in zip(rows, exact, strict=True):
+        check.close(f"logits row {row}", np.asarray(logits)[0, row], expected, tolerance.values)

@@ -56,6 +56,19 @@ def test_table_gradient_is_the_sum_of_both_roles(
     output_role = _table_gradient(backend, scenario, detach_lookup=True)
     check = judge.on(scenario.case("backend.loss(model, tokens, targets)"))
     check.close("table gradient", full, lookup_role + output_role, tolerance.gradients)
+    # A role missing everywhere keeps the sum right (0 + the output role is the full gradient
+    # of such a model), so each role must also be there: with two or more tokens in the
+    # vocabulary the loss moves every looked-up row and every row of the head.
+    if scenario.config.vocabulary_size > 1:
+        used = np.unique(scenario.tokens)
+        for role, gradient, rows in (
+            ("lookup", lookup_role, used),
+            ("output", output_role, np.arange(scenario.config.vocabulary_size)),
+        ):
+            present = bool(np.any(gradient[rows] != 0))
+            check.check(
+                present, f"{role}-role gradient of rows {rows.tolist()}", "all zero", "not all zero"
+            )
     unused = np.setdiff1d(np.arange(scenario.config.vocabulary_size), scenario.tokens)
     check.close(
         "lookup-role gradient of rows never looked up",

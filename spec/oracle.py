@@ -29,6 +29,7 @@ __all__ = [
     "OracleRun",
     "oracle_forward",
     "oracle_forward_exact",
+    "oracle_rows",
     "precision",
     "relative_error",
     "to_float64",
@@ -249,3 +250,83 @@ def oracle_forward_exact(
             loss = (log_normalizers - picked).sum() / rows.shape[0]
     stages = list(zip(stage_names(config.layers), outputs, strict=True))
     return OracleRun(digits, stages, logits, loss, weights, ids, caches, final_cache)
+
+
+def oracle_rows(
+    config: DecoderConfig,
+    parameters: Mapping[str, npt.ArrayLike] | Sequence[tuple[str, npt.ArrayLike]],
+    tokens: Sequence[int] | npt.NDArray[np.integer[Any]],
+    rows: Sequence[int],
+    *,
+    digits: int = 30,
+) -> MpArray:
+    """The logits of some positions of one long sequence, ``[len(rows), V]``, in mpmath.
+
+    Causality makes long sequences affordable: row ``t`` needs only positions ``0 .. t``. Every
+    block but the last runs over that whole prefix (its keys and values feed the next); the
+    last block, the final norm and the head run for the asked rows alone, each attending over
+    its own prefix. For one block over T positions that is O(T d^2) for the keys and values
+    and O(T hw) a row, against O(T^2) for :func:`oracle_forward`.
+    """
+    ids = np.asarray(tokens, dtype=np.intp).reshape(-1)
+    wanted = [int(row) for row in rows]
+    named = dict(parameters.items()) if isinstance(parameters, Mapping) else dict(parameters)
+    with precision(digits):
+        weights = {name: to_mp(value) for name, value in named.items()}
+        epsilon = mpmath.mpf(config.rms_epsilon)
+        prefix = max(wanted) + 1
+        hidden = weights[EMBEDDING_NAME][ids[:prefix]]  # [P, d]
+        positions = list(range(prefix))
+        for layer in range(config.layers):
+            last = layer == config.layers - 1
+            hidden = _block_rows(
+                hidden, weights, layer, config, epsilon=epsilon, rows=wanted if last else positions
+            )
+        if config.layers == 0:
+            hidden = hidden[wanted]
+        final, _ = rms_norm(hidden, weights[FINAL_NORM_NAME], epsilon)
+        logits: MpArray = final @ weights[EMBEDDING_NAME].T
+    return logits
+
+
+def _block_rows(
+    x: MpArray,
+    weights: Mapping[str, MpArray],
+    layer: int,
+    config: DecoderConfig,
+    *,
+    epsilon: Any,
+    rows: Sequence[int],
+) -> MpArray:
+    """One block's output at ``rows`` of the prefix ``x [P, d]``: ``[len(rows), d]``."""
+
+    def w(name: str) -> MpArray:
+        return weights[f"blocks.{layer}.{name}"]
+
+    length, heads = x.shape[0], config.heads
+    head_width = config.model_width // heads
+    normed, _ = rms_norm(x, w("attention_norm.gain"), epsilon)
+    cos, sin = rope_tables(length, head_width, mpmath.mpf(config.rope_base))
+
+    def by_head(y: MpArray) -> MpArray:  # [P, d] -> [H, P, hw]
+        return y.reshape(y.shape[0], heads, head_width).transpose(1, 0, 2)
+
+    keys = rotate_pairs(by_head(normed @ w("attention.key.weight")), cos, sin)
+    values = by_head(normed @ w("attention.value.weight"))
+    chosen = list(rows)
+    queries = rotate_pairs(
+        by_head(normed[chosen] @ w("attention.query.weight")), cos[chosen], sin[chosen]
+    )
+    scale = mpmath.sqrt(head_width)
+    mixed = np.empty((len(chosen), heads, head_width), dtype=object)
+    for i, row in enumerate(chosen):
+        for head in range(heads):
+            scores = keys[head, : row + 1] @ queries[head, i] / scale
+            weights_row = _exp(scores - max(scores))
+            mixed[i, head] = (weights_row @ values[head, : row + 1]) / weights_row.sum()
+    hidden = x[chosen] + mixed.reshape(len(chosen), -1) @ w("attention.output.weight")
+    ffn_input, _ = rms_norm(hidden, w("ffn_norm.gain"), epsilon)
+    gate = ffn_input @ w("ffn.gate.weight")
+    product = gate / (1 + _exp(-gate)) * (ffn_input @ w("ffn.up.weight"))
+    output: MpArray = hidden + product @ w("ffn.down.weight")
+    return output

@@ -84,6 +84,17 @@ class Server:
         return int(text)
 
     @staticmethod
+    def _seed(request: dict[str, Any]) -> int:
+        """A seed: the decimal string of any integer; one outside [0, 2**64 - 1] is the
+        backend's to refuse (invalid-seed), not a malformed request."""
+        text = request.get("seed")
+        if not isinstance(text, str) or not text.removeprefix("-").isdigit() or len(text) > 40:
+            raise ProtocolError(
+                f"request field 'seed' must be the decimal string of an integer, got {text!r:.60}"
+            )
+        return int(text)
+
+    @staticmethod
     def _flag(request: dict[str, Any], field: str) -> bool:
         value = request.get(field, False)
         if not isinstance(value, bool):
@@ -127,7 +138,7 @@ class Server:
 
     def build_seeded(self, request: dict[str, Any]) -> dict[str, Any]:
         config = decode_config(request.get("config"))
-        return self._handle(self.backend.build_seeded(config, self._unsigned(request, "seed")))
+        return self._handle(self.backend.build_seeded(config, self._seed(request)))
 
     def initialize(self, request: dict[str, Any]) -> dict[str, Any]:
         config = decode_config(request.get("config"))

@@ -9,7 +9,9 @@ and turns a violation into a refusal, and builds parameters with :mod:`spec.reci
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,8 @@ from conformance.adapter import (
     Refusal,
 )
 from spec.config import DecoderConfig
+from spec.errors import ErrorKind
+from spec.parameters import parameter_count
 from spec.recipe import SplitMix64, initial_parameters
 from spec.tolerances import Precision
 from spec.validation import (
@@ -34,6 +38,7 @@ from spec.validation import (
     config_violation,
     loss_violation,
     rebuild_violation,
+    seed_violation,
     token_violation,
 )
 
@@ -65,7 +70,16 @@ class RMSNorm(nn.Module):
         self.epsilon = epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + self.epsilon) * self.gain
+        mean_square = (x * x).mean(dim=-1, keepdim=True)
+        if self.epsilon == 0.0 and bool((mean_square == 0).any()):
+            # The spec's refusal, where rsqrt would give inf and then NaN.
+            row = int(torch.nonzero(mean_square.reshape(-1) == 0)[0])
+            raise Refusal(
+                ErrorKind.RMS_ZERO_MEAN_SQUARE,
+                f"RMSNorm row {row} has mean square 0 and epsilon is 0",
+                {"row": row},
+            )
+        return x * torch.rsqrt(mean_square + self.epsilon) * self.gain
 
 
 class Linear(nn.Module):
@@ -180,6 +194,35 @@ class TorchDecoder(nn.Module):
         return stages, normalized @ (table.detach() if detach_head else table).T
 
 
+# The reference's bound on parameter scalars (impl.model.MAX_PARAMETER_SCALARS).
+MAX_PARAMETER_SCALARS = 2**31
+
+
+def _refuse_parameters_past_the_bound(config: DecoderConfig) -> None:
+    scalars = parameter_count(config)
+    if scalars > MAX_PARAMETER_SCALARS:
+        raise Refusal(
+            ErrorKind.PARAMETER_ALLOCATION_FAILED,
+            f"{scalars} parameter scalars cannot be allocated; at most {MAX_PARAMETER_SCALARS}",
+            {"scalars": scalars},
+        )
+
+
+@contextlib.contextmanager
+def _allocation_refused(ids: torch.Tensor) -> Iterator[None]:
+    """A pass the allocator cannot hold is the spec's resource refusal, not a crash."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if "allocate" not in str(error):
+            raise
+        raise Refusal(
+            ErrorKind.ACTIVATION_ALLOCATION_FAILED,
+            f"a pass over {list(ids.shape)} tokens ran out of memory: {error}",
+            {"batch": int(ids.shape[0]), "tokens": int(ids.shape[-1])},
+        ) from None
+
+
 def _refuse(violation: Violation | None) -> None:
     if violation is not None:
         raise Refusal(violation.kind, f"refused: {violation.kind}", dict(violation.details))
@@ -211,12 +254,15 @@ class TorchBackend(BackendBase):
 
     def build_seeded(self, config: DecoderConfig, seed: int) -> tuple[DecoderConfig, TorchDecoder]:
         _refuse(config_violation(config))
+        _refuse(seed_violation(seed))
+        _refuse_parameters_past_the_bound(config)
         return self.build(config, initial_parameters(config, seed))
 
     def initialize(
         self, config: DecoderConfig, stream: SplitMix64
     ) -> tuple[DecoderConfig, TorchDecoder]:
         _refuse(config_violation(config))
+        _refuse_parameters_past_the_bound(config)
         trial = stream.clone()
         model = self.build(config, initial_parameters(config, trial))
         stream.adopt(trial)
@@ -242,7 +288,7 @@ class TorchBackend(BackendBase):
         self, model: Any, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
     ) -> ForwardOutput:
         ids = self._ids(model, tokens, shape)
-        with torch.no_grad():
+        with torch.no_grad(), _allocation_refused(ids):
             stages, logits = model[1](ids)
         return as_forward_output(stages, logits)
 
@@ -259,9 +305,10 @@ class TorchBackend(BackendBase):
         _refuse(loss_violation(config, tokens, targets))
         ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
         module.zero_grad(set_to_none=True)
-        _, logits = module(ids, detach_lookup=detach_lookup, detach_head=detach_head)
-        loss = mean_nll(logits, targets, config.vocabulary_size)
-        torch.autograd.backward([loss])
+        with _allocation_refused(ids):
+            _, logits = module(ids, detach_lookup=detach_lookup, detach_head=detach_head)
+            loss = mean_nll(logits, targets, config.vocabulary_size)
+            torch.autograd.backward([loss])
         gradients = {
             name: np.zeros(tuple(p.shape)) if p.grad is None else p.grad.double().numpy().copy()
             for name, p in module.named_parameters()

@@ -180,7 +180,7 @@ def test_fields_named_in_protocol_errors() -> None:
     )
     assert response["error"]["kind"] == "protocol"
     assert (
-        "request field 'seed' must be a decimal string" in response["error"]["message"]
+        "request field 'seed' must be the decimal string" in response["error"]["message"]
         and "-4" in response["error"]["message"]
     )
     response = server.answer('{"id": 1, "op": "forw')

@@ -87,6 +87,40 @@ def test_reference_passes_every_rule(reference_report: Path) -> None:
     assert first["test"].startswith("conformance/test_errors.py::") and first["outcome"] == "passed"
 
 
+def test_a_ci_run_sends_the_inputs_where_ports_break(reference_report: Path) -> None:
+    """Issue 19's floor for what a ci run exercises: every refusal kind an adapter can be
+    asked for, gains other than 1, logits in the thousands, positions past 4000, and token
+    and parameter inputs of every type."""
+    from spec.errors import ADAPTER_KINDS
+
+    coverage = json.loads(reference_report.read_text())["coverage"]
+    never = [str(kind) for kind in ADAPTER_KINDS if str(kind) not in coverage["kinds_requested"]]
+    assert never == [], f"error kinds no rule asks for: {never}"
+    assert coverage["models_with_other_gains"] > 0
+    assert coverage["largest_logit"] > 1e3
+    assert coverage["largest_position"] > 4000
+    assert {"bool", "int8", "uint64", "float32", "ragged", "strings"} <= set(
+        coverage["token_inputs"]
+    )
+    assert {"complex128", "bool", "int64", "float32"} <= set(coverage["parameter_dtypes"])
+    assert coverage["size_ranges"]["layers"] == [0, 3]
+
+
+def test_coverage_adds_up_across_workers() -> None:
+    """Two workers report the same figures as one (each test's share travels in its report)."""
+    from conformance.runner import run_suite
+
+    shares = []
+    for workers in (0, 2):
+        report = run_suite(
+            "reference", profile="ci", workers=workers, rules=["ERR-TOKEN-SHAPE", "VALUE-L*"]
+        )
+        assert report.status == 0, report.output[-2000:]
+        shares.append(report.coverage)
+    assert shares[0] == shares[1]
+    assert shares[0]["kinds_requested"]["token-dtype"] > 0
+
+
 def test_reference_through_the_subprocess_protocol() -> None:
     report = run_suite("subprocess", profile="ci", backend_command=REFERENCE_SERVER)
     assert report.status == 0, report.output[-3000:]
