@@ -44,6 +44,7 @@ __all__ = [
     "ParameterNotFinite",
     "ParameterShapeMismatch",
     "ResourceError",
+    "ResourceReason",
     "RmsZeroMeanSquare",
     "TargetCountMismatch",
     "TargetDtype",

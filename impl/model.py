@@ -46,6 +46,7 @@ from impl.errors import (
     ParameterNameMismatch,
     ParameterNotFinite,
     ParameterShapeMismatch,
+    ResourceReason,
     TargetCountMismatch,
     TargetDtype,
     TargetIdOutOfBounds,
@@ -154,21 +155,21 @@ def _require_working_memory(
     """The memory bound, once ``needed`` bytes of a pass fit under it; refused otherwise."""
     bound = resources.memory_limit()
     if needed > bound.bytes:
-        raise ActivationAllocationFailed(
-            operation=operation,
-            batch=batch,
-            tokens=length,
-            needed_bytes=needed,
-            limit_bytes=bound.bytes,
-            limit_source=bound.source,
-        )
+        raise _ran_out(operation, batch, length, needed, bound, reason="memory-limit")
     return bound
 
 
 def _ran_out(
-    operation: str, batch: int, length: int, needed: int, bound: resources.MemoryLimit
+    operation: str,
+    batch: int,
+    length: int,
+    needed: int,
+    bound: resources.MemoryLimit,
+    *,
+    reason: ResourceReason = "out-of-memory",
 ) -> ActivationAllocationFailed:
-    """The refusal for a MemoryError in a pass that fitted the estimate (a busy machine)."""
+    """The refusal of a pass: above the bound, or (by default) a MemoryError in a pass that
+    fitted the estimate (a busy machine)."""
     return ActivationAllocationFailed(
         operation=operation,
         batch=batch,
@@ -176,7 +177,7 @@ def _ran_out(
         needed_bytes=needed,
         limit_bytes=bound.bytes,
         limit_source=bound.source,
-        reason="out-of-memory",
+        reason=reason,
     )
 
 
