@@ -11,7 +11,11 @@ these variants as well as on the recipe's parameters:
   magnitudes in [0.25, 2], and every matrix rescaled by its own factor in [0.5, 2];
 - ``large``: ``varied``, then the final gain multiplied by ``LARGE_GAIN``, so that the
   logits reach the thousands (a loss computed without subtracting the row maximum
-  overflows there; the correct one stays finite).
+  overflows there; the correct one stays finite);
+- ``tiny``: ``varied``, then the embedding table multiplied by ``TINY_SCALE`` and the final
+  gain divided by it: the first norms see mean squares near 1e-30 (normal even in float32),
+  where an epsilon of 0 must stay 0 (a hard-coded 1e-6 would swamp them), and the tied head
+  brings the logits back to ordinary sizes, so the scaled error can see the difference.
 
 Everything is a function of ``(config, seed, variant)``, so a failure's reproduction
 rebuilds the same list.
@@ -23,13 +27,14 @@ import numpy as np
 import numpy.typing as npt
 
 from spec.config import DecoderConfig
-from spec.parameters import FINAL_NORM_NAME, is_gain_name
+from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME, is_gain_name
 from spec.recipe import initial_parameters
 
-__all__ = ["LARGE_GAIN", "VARIANTS", "scenario_parameters"]
+__all__ = ["LARGE_GAIN", "TINY_SCALE", "VARIANTS", "scenario_parameters"]
 
-VARIANTS = ("recipe", "varied", "large")
+VARIANTS = ("recipe", "varied", "large", "tiny")
 LARGE_GAIN = 1000.0
+TINY_SCALE = 1e-15
 
 ParameterList = list[tuple[str, npt.NDArray[np.float64]]]
 
@@ -52,5 +57,9 @@ def scenario_parameters(config: DecoderConfig, seed: int, variant: str = "recipe
             new = value * rng.uniform(0.5, 2.0)
         if variant == "large" and name == FINAL_NORM_NAME:
             new = new * LARGE_GAIN
+        if variant == "tiny" and name == EMBEDDING_NAME:
+            new = new * TINY_SCALE
+        if variant == "tiny" and name == FINAL_NORM_NAME:
+            new = new / TINY_SCALE
         varied.append((name, np.ascontiguousarray(new, dtype=np.float64)))
     return varied

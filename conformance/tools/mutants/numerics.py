@@ -9,7 +9,14 @@ import numpy as np
 from conformance.tools.mutants import composed as c
 from conformance.tools.mutants.base import MutantBackend, model_with, mutant
 from impl import ops
-from impl.layers import CausalSelfAttention, DecoderBlock, RMSNorm, RotaryEmbedding, SwiGLU
+from impl.layers import (
+    CausalSelfAttention,
+    DecoderBlock,
+    NamedParameter,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+)
 from impl.tape import Tensor
 from spec.rules import RuleCategory
 
@@ -269,3 +276,18 @@ class FeedForwardResidualDropped(MutantBackend):
     """The feed-forward output replaces the stream: its residual is dropped."""
 
     model_class = model_with("NoFeedForwardResidual", block_class=_NoFeedForwardResidual)
+
+
+class _HardCodedEpsilon(RMSNorm):
+    def __init__(self, gain: NamedParameter, epsilon: float) -> None:
+        super().__init__(gain, 1e-6)
+
+
+@mutant("VALUE-STAGES")
+class RmsEpsilonHardCoded(MutantBackend):
+    """RMSNorm uses epsilon 1e-6 whatever the configuration says (a copied default).
+
+    Only an epsilon far from 1e-6 shows it, or an epsilon of 0 over tiny mean squares.
+    """
+
+    model_class = model_with("HardCodedEpsilon", norm_class=_HardCodedEpsilon)
