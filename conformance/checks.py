@@ -130,9 +130,15 @@ class Judge:
         tolerance: float,
         *,
         hint: str = "",
+        scale: float | npt.ArrayLike | None = None,
     ) -> None:
         """Fail unless every value is finite and ``|got - exact| / max(1, |exact|)`` is within
-        ``tolerance``; ``hint`` (what the failure looks like) ends the message."""
+        ``tolerance``; ``hint`` (what the failure looks like) ends the message.
+
+        With ``scale`` (a number, or one per element), an element's error is
+        ``|got - exact| / max(1, |exact|, scale)`` instead: for values that are sums of large
+        cancelling terms, where a correct implementation's error follows the size of the
+        terms, not of the sum."""
         got_array = np.asarray(got, dtype=np.float64)
         exact_array = np.asarray(exact, dtype=np.float64)
         self.check(
@@ -142,16 +148,26 @@ class Judge:
             list(exact_array.shape),
         )
         self.finite(what, got_array)
-        errors = scaled_error(got_array, exact_array)
+        errors = (
+            scaled_error(got_array, exact_array)
+            if scale is None
+            else np.abs(got_array - exact_array)
+            / np.maximum(np.maximum(1.0, np.abs(exact_array)), np.asarray(scale, dtype=np.float64))
+        )
         over = ~(errors <= tolerance)
         if not over.any():
             return
         worst = int(np.argmax(np.where(np.isnan(errors), np.inf, errors)))
         index = tuple(int(i) for i in np.unravel_index(worst, errors.shape))
         location = f"{what}{list(index)}" if index else what
+        measure = (
+            f"scaled error {float(errors[index]):.3e}"
+            if scale is None
+            else f"error {float(errors[index]):.3e} of the terms' scale"
+        )
         self.fail(
             location,
-            f"{float(got_array[index])!r} (scaled error {float(errors[index]):.3e}; "
+            f"{float(got_array[index])!r} ({measure}; "
             f"{int(over.sum())} of {errors.size} elements over)",
             f"{float(exact_array[index])!r} within {tolerance:.0e}" + (f"; {hint}" if hint else ""),
         )
