@@ -41,7 +41,13 @@ import time
 from pathlib import Path
 from types import FrameType
 
-__all__ = ["TOKEN_VARIABLE", "descendants", "kill_tree", "processes_with_token"]
+__all__ = [
+    "TOKEN_VARIABLE",
+    "descendants",
+    "kill_tree",
+    "processes_with_environment",
+    "processes_with_token",
+]
 
 TOKEN_VARIABLE = "DECODER_CONFORMANCE_BACKEND_TOKEN"
 _PR_SET_CHILD_SUBREAPER = 36
@@ -95,7 +101,12 @@ def descendants(root: int) -> list[int]:
 
 def processes_with_token(token: str) -> list[int]:
     """The processes (of this user) whose environment carries ``TOKEN_VARIABLE=token``."""
-    marker = f"{TOKEN_VARIABLE}={token}".encode()
+    return processes_with_environment(TOKEN_VARIABLE, token)
+
+
+def processes_with_environment(variable: str, value: str) -> list[int]:
+    """The processes (of this user, not this one) whose environment has ``variable=value``."""
+    marker = f"{variable}={value}".encode()
     found = []
     with contextlib.suppress(OSError):
         for entry in os.scandir("/proc"):

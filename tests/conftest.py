@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from conformance.supervisor import processes_with_environment
+
 # The numerical properties run whole models; wall-clock deadlines would only add flakiness.
 settings.register_profile(
     "ci",
@@ -32,19 +34,16 @@ _SURVIVOR_GRACE_SECONDS = 10.0
 
 
 def _live_processes_of_this_run() -> list[str]:
-    marker = f"{SESSION_VARIABLE}={os.environ[SESSION_VARIABLE]}".encode()
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
+    for pid in processes_with_environment(SESSION_VARIABLE, os.environ[SESSION_VARIABLE]):
+        entry = Path("/proc", str(pid))
         try:
-            environment = (entry / "environ").read_bytes()
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
         except (OSError, IndexError):
-            continue  # gone already, or not ours to read
-        if state != "Z" and marker in environment.split(b"\0"):
-            found.append(f"{entry.name}: {command.decode(errors='replace')[:200]}")
+            continue  # gone already
+        if state != "Z":
+            found.append(f"{pid}: {command.decode(errors='replace')[:200]}")
     return found
 
 
