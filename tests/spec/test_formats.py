@@ -1,0 +1,47 @@
+"""Number formats: rounding, accepted dtypes, and what a format can hold."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from spec.formats import Precision, accepted_dtypes, number_format, representable, round_to
+
+
+@pytest.mark.parametrize(
+    ("precision", "unit"),
+    [("float64", 2.0**-53), ("float32", 2.0**-24), ("bfloat16", 2.0**-8), ("float16", 2.0**-11)],
+)
+def test_unit_roundoffs(precision: str, unit: float) -> None:
+    assert number_format(precision).unit_roundoff == unit
+
+
+def test_rounding_matches_the_dtypes() -> None:
+    values = np.array([np.pi, -1e-3, 1 + 2.0**-9, 300.7])
+    assert np.array_equal(round_to(values, "float32"), values.astype(np.float32).astype(float))
+    assert np.array_equal(
+        round_to(values, "bfloat16"), values.astype(ml_dtypes.bfloat16).astype(float)
+    )
+    assert np.array_equal(round_to(values, "float16"), values.astype(np.float16).astype(float))
+    assert np.array_equal(round_to(values, "float64"), values)
+    assert round_to(np.array([257.0]), "bfloat16")[0] == 256.0  # positions stop being integers
+
+
+def test_accepted_dtypes() -> None:
+    assert accepted_dtypes(Precision.FLOAT64) == ("float64",)
+    assert accepted_dtypes(Precision.FLOAT32) == ("float32", "float64")
+    assert accepted_dtypes(Precision.BFLOAT16) == ("bfloat16", "float64", "float32")
+    assert "float16" not in accepted_dtypes(Precision.BFLOAT16)
+
+
+def test_representable() -> None:
+    tiny = [np.full(3, 1e-15)]
+    assert representable(tiny, "bfloat16") and not representable(tiny, "float16")
+    assert not representable([np.array([1e5])], "float16")
+    assert representable([np.zeros(3), np.array([1.0, 1e-9])], "float16")
+
+
+def test_unknown_precision() -> None:
+    with pytest.raises(KeyError, match="known: float64, float32, bfloat16, float16"):
+        number_format("float8")
