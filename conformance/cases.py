@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 from conformance.adapter import Backend
 from conformance.checks import Case
 from spec.config import DecoderConfig
+from spec.formats import representable
 from spec.strategies import configs, token_batches
 from spec.variants import scenario_parameters
 
-__all__ = ["Scenario", "scenarios", "suite_configs"]
+__all__ = ["LargeScales", "Scenario", "large_scales", "scenarios", "suite_configs"]
 
 IdArray = npt.NDArray[np.int64]
 
@@ -41,6 +42,32 @@ def suite_configs(
 
 
 @dataclass(frozen=True)
+class LargeScales:
+    """What errors are measured against where the ``large`` variant's final gain puts the
+    logits in the thousands: a small value there is a sum of large cancelling terms, and a
+    correct sum's error follows the terms, not the value."""
+
+    logits: npt.NDArray[np.float64]
+    loss: float
+    gradients: float
+
+    @staticmethod
+    def stage(exact: npt.ArrayLike) -> float:
+        """A stage's own largest magnitude (the final norm's is the gain's thousands)."""
+        return float(np.max(np.abs(np.asarray(exact, dtype=np.float64)), initial=1.0))
+
+
+def large_scales(
+    table: npt.ArrayLike, final_norm: npt.ArrayLike, gradients: list[npt.ArrayLike]
+) -> LargeScales:
+    """The logits' terms ``sum_j |final_j| |E_vj|`` (the dot product's condition), their
+    largest for the loss, and the model's largest exact gradient for every gradient."""
+    terms = np.abs(np.asarray(final_norm, dtype=np.float64)) @ np.abs(np.asarray(table)).T
+    largest = max((float(np.max(np.abs(value))) for value in gradients), default=1.0)
+    return LargeScales(terms, float(np.max(terms)), largest)
+
+
+@dataclass(frozen=True)
 class Scenario:
     """A configuration, parameters for a seed (the recipe's, or a variant of them with other
     gains and scales: :mod:`spec.variants`), and a batch of tokens and targets."""
@@ -54,6 +81,11 @@ class Scenario:
     def parameters(self) -> list[tuple[str, npt.NDArray[np.float64]]]:
         """The scenario's named parameters."""
         return scenario_parameters(self.config, self.seed, self.variant)
+
+    def representable(self, precision: str) -> bool:
+        """Whether a backend of ``precision`` can hold these parameters at all (float16
+        cannot hold the ``tiny`` variant's table of scale 1e-15: the rules skip it there)."""
+        return representable((value for _, value in self.parameters()), precision)
 
     def build(self, backend: Backend) -> Any:
         """The backend's model over this scenario's parameters."""

@@ -169,7 +169,7 @@ class Judge:
             location,
             f"{float(got_array[index])!r} ({measure}; "
             f"{int(over.sum())} of {errors.size} elements over)",
-            f"{float(exact_array[index])!r} within {tolerance:.0e}" + (f"; {hint}" if hint else ""),
+            f"{float(exact_array[index])!r} within {tolerance:.3g}" + (f"; {hint}" if hint else ""),
         )
 
     def same_bits(self, what: str, got: npt.ArrayLike, expected: npt.ArrayLike) -> None:

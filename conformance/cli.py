@@ -162,14 +162,26 @@ def _add_suite_commands(commands: Any) -> None:
     tolerance_actions.add_parser("show", help="print the committed table and its derivation")
     derive = tolerance_actions.add_parser(
         "derive",
-        help="measure a backend against the oracle and print the error distribution and table",
+        help="derive the error models from measurements (or survey one backend with --adapter)",
     )
-    derive.add_argument("--adapter", default=None, help="backend to measure (default reference)")
+    derive.add_argument(
+        "--adapter",
+        default=None,
+        help="survey this backend against its derived tolerances instead of deriving them",
+    )
     derive.add_argument("--backend-command", help="command that starts a subprocess backend")
     derive.add_argument(
-        "--configs", type=_positive_int, default=100, help="generated configurations (100)"
+        "--configs",
+        type=_positive_int,
+        default=None,
+        help="generated cases (1000 to derive, 100 to survey a backend)",
     )
     derive.add_argument("--seed", type=_non_negative_int, default=0, help="generator seed (0)")
+    derive.add_argument(
+        "--write",
+        action="store_true",
+        help="replace spec/derived_tolerances.py with the derived table (maintainers)",
+    )
     bench = commands.add_parser(
         "bench",
         help="time forward + backward of the reference against PyTorch float64",
@@ -461,12 +473,12 @@ def _trace_backend(options: argparse.Namespace, config: Any, tokens: Any, target
         text = trace_json(evidence.run) if options.format == "json" else render_trace(evidence)
         if options.diff:
             reference = run_record(load_backend("reference"), fixture)
-            tolerance = tolerance_for(backend.precision).values
+            tolerance = tolerance_for(backend.precision).at(config, len(tokens[0])).values
             departure = first_departure(evidence.run, reference, tolerance)
             verdict = (
                 str(departure)
                 if departure is not None
-                else f"no departure from the reference beyond {tolerance:.0e}"
+                else f"no departure from the reference beyond {tolerance:.3g}"
             )
             text += verdict + "\n"
     except Refusal as refusal:
@@ -630,27 +642,69 @@ class _SuiteExit(Exception):
 
 
 def _run_tolerances(options: argparse.Namespace) -> str:
-    from spec.tolerances import TOLERANCES
-
     if options.action == "show":
-        lines = ["precision  values  gradients  derivation"]
-        for precision, entry in TOLERANCES.items():
-            bounds = f"{entry.values:<6.0e}  {entry.gradients:<9.0e}"
-            lines.append(f"{precision!s:<9}  {bounds}  {entry.derivation}")
-        return "\n".join(lines) + "\n"
+        from conformance.tools.tolerance_derivation import render_derivation
+        from spec.tolerances import DOCUMENT, TABLE
+
+        made = DOCUMENT["provenance"]
+        provenance = [
+            f"spec/derived_tolerances.json, written {made['written']} by `{made['command']}` "
+            f"(numpy {made['numpy']}, Python {made['python']}); how: {made['explained_in']}",
+            *(f"{name}: {entry['derivation']}" for name, entry in TABLE.items()),
+        ]
+        return render_derivation(TABLE) + "\n" + "\n".join(provenance) + "\n"
+    if options.adapter is None and options.backend_command is None:
+        return _derive_tolerances(options)
     from conformance.adapter import BackendLoadError, BackendOptions, load_backend
     from conformance.tools.tolerance_survey import account_for_seed_check, render_survey, survey
-    from spec.tolerances import tolerance_for
 
     try:
         backend = load_backend(
-            options.adapter or "reference", BackendOptions(backend_command=options.backend_command)
+            options.adapter or "subprocess", BackendOptions(backend_command=options.backend_command)
         )
     except BackendLoadError as error:
         raise CommandLineError(f"{PROGRAM} tolerances derive: {error}") from error
-    measured = survey(backend, configs=options.configs, seed=options.seed)
+    measured = survey(backend, configs=options.configs or 100, seed=options.seed)
     account = account_for_seed_check(backend) if backend.precision == "float64" else None
-    return render_survey(measured, tolerance_for(backend.precision), account)
+    return render_survey(measured, account)
+
+
+def _derive_tolerances(options: argparse.Namespace) -> str:
+    """Measure every precision's instrument, fit the error models, check them on held-out
+    cases, and (with ``--write``) replace the committed table."""
+    from pathlib import Path
+
+    import spec
+    from conformance.tools import tolerance_derivation as derivation
+    from spec.formats import Precision
+    from spec.tolerances import model_from_entry
+
+    count = options.configs or 1000
+    cases = derivation.derivation_cases(count, options.seed)
+    measured = derivation.measure(cases, long=derivation.long_cases(options.seed))
+    held_out = derivation.measure(derivation.derivation_cases(max(1, count // 3), options.seed + 1))
+    table: dict[str, Any] = {}
+    use = {}
+    for precision in Precision:
+        fitted = derivation.fit(measured, precision)
+        entry = {
+            "safety": derivation.SAFETY,
+            "quantities": fitted,
+            "derivation": derivation.derivation_text(precision, fitted, count),
+        }
+        table[str(precision)] = entry
+        use[precision] = derivation.held_out_use(held_out, model_from_entry(precision, entry))
+    text = derivation.render_derivation(table, use)
+    text += (
+        f"held-out use: the largest error / tolerance over {max(1, count // 3)} "
+        f"other cases (seed {options.seed + 1}); above 1 would be a false alarm\n"
+    )
+    if options.write:
+        path = Path(spec.__file__).parent / "derived_tolerances.json"
+        command = f"{PROGRAM} tolerances derive --configs {count} --seed {options.seed}"
+        derivation.write_table(path, table, command + " --write")
+        text += f"wrote {path}\n"
+    return text
 
 
 def _run_golden(options: argparse.Namespace) -> str:

@@ -22,11 +22,11 @@ from conformance.adapter import Backend, Refusal, call_build_seeded, call_initia
 from conformance.guard import adapter_location
 from spec.config import FIXTURE, DecoderConfig
 from spec.errors import ErrorKind
+from spec.formats import Precision, accepted_dtypes, round_to
 from spec.parameters import parameter_layout, parameter_names
 from spec.recipe import GOLDEN_GAMMA, SplitMix64, initial_parameters
 from spec.rules import Capability
 from spec.shapes import stage_names
-from spec.tolerances import Precision
 
 __all__ = ["WIDER", "ContractViolation", "check_contract"]
 
@@ -117,11 +117,12 @@ class _Checker:
             self.flag(method, f"{what} has dtype {value.dtype}; return floating-point values")
             return None
         declared = str(self.backend.precision)
-        if value.dtype != np.float64 and value.dtype.name != declared:
+        accepted = accepted_dtypes(declared)
+        if value.dtype.name not in accepted:
             self.flag(
                 method,
                 f"{what} has dtype {value.dtype}, but the backend declares {declared}; return "
-                f"{declared} (or float64) arrays",
+                f"{' or '.join(accepted)} arrays",
             )
         if tuple(value.shape) != shape:
             self.flag(
@@ -137,9 +138,7 @@ class _Checker:
 
 def _stored(values: np.ndarray[Any, Any], precision: Precision) -> np.ndarray[Any, Any]:
     """How a backend of ``precision`` holds float64 parameters (rounded to its format)."""
-    if precision is Precision.FLOAT32:
-        return values.astype(np.float32).astype(np.float64)
-    return values.astype(np.float64)
+    return round_to(values, precision)
 
 
 def _check_model(checker: _Checker, config: DecoderConfig, seed: int) -> None:

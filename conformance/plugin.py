@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from conformance.checks import Judge
     from conformance.guard import GuardedBackend
     from conformance.session import SuiteSession
-    from spec.tolerances import Tolerance
+    from spec.tolerances import ToleranceModel
 
 _SESSION: pytest.StashKey[SuiteSession] = pytest.StashKey()
 
@@ -202,8 +202,8 @@ def backend(pytestconfig: pytest.Config) -> GuardedBackend:
 
 
 @pytest.fixture(scope="session")
-def tolerance(backend: GuardedBackend) -> Tolerance:
-    """Value and gradient tolerances for the backend's declared precision."""
+def tolerance(backend: GuardedBackend) -> ToleranceModel:
+    """The error model of the backend's declared precision (``.at(config, positions)``)."""
     from spec.tolerances import tolerance_for
 
     return tolerance_for(backend.precision)

@@ -21,10 +21,10 @@ from conformance.checks import Case, Judge
 from conformance.profiles import suite_settings
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
+from spec.formats import round_to
 from spec.parameters import parameter_layout
 from spec.recipe import GOLDEN_GAMMA, SplitMix64, initial_parameters
 from spec.strategies import invalid_configs, invalid_token_inputs
-from spec.tolerances import Precision
 
 
 def _bytes(listed: list[tuple[str, FloatArray]]) -> list[tuple[str, bytes]]:
@@ -83,13 +83,12 @@ def test_initialization_follows_the_recipe(
     model = call_build_seeded(backend, scenario.config, scenario.seed)
     got = dict(backend.parameters(model))
     check = judge.on(scenario.case("backend.parameters(backend.build_seeded(config, seed))"))
-    dtype = np.float32 if backend.precision is Precision.FLOAT32 else np.float64
     for name, expected in initial_parameters(scenario.config, scenario.seed):
         value = got.get(name)
         if value is None:
             check.fail(f"parameter {name}", "missing", "present")
         # The recipe is exact: in the backend's precision it must match to the last bit.
-        wanted = expected.astype(dtype).astype(np.float64)
+        wanted = round_to(expected, backend.precision)
         check.close(f"initial {name}", value, wanted, 0.0)
 
 

@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from conformance.adapter import Backend
+from conformance.cases import LargeScales, large_scales
 from conformance.checks import Case, Judge
 from conformance.golden import case_path, golden_directory, load_golden
 from spec.golden import GOLDEN_CASES, GoldenCase, GoldenError, GoldenRecord, case_by_name
-from spec.tolerances import Tolerance
+from spec.parameters import EMBEDDING_NAME
+from spec.tolerances import ToleranceModel
 
 NAMES = [case.name for case in GOLDEN_CASES]
 
@@ -33,6 +35,15 @@ def _judge(judge: Judge, case: GoldenCase, call: str) -> Judge:
     )
 
 
+def _scales(case: GoldenCase, record: GoldenRecord) -> LargeScales | None:
+    """The ``large`` variant's cases are judged like VALUE-LARGE-LOGITS (its scales)."""
+    if case.variant != "large":
+        return None
+    table = dict(case.parameters())[EMBEDDING_NAME]
+    final = dict(record.stages)["final-norm"]
+    return large_scales(table, final, [value for _, value in record.gradients])
+
+
 def _setup(judge: Judge, name: str, call: str) -> tuple[GoldenCase, GoldenRecord, Judge, str]:
     """The case, its verified record, a judge bound to it, and the file name for messages."""
     case = case_by_name(name)
@@ -43,10 +54,12 @@ def _setup(judge: Judge, name: str, call: str) -> tuple[GoldenCase, GoldenRecord
 @pytest.mark.rule("GOLDEN-VALUES")
 @pytest.mark.parametrize("name", NAMES)
 def test_values_match_the_golden_case(
-    backend: Backend, judge: Judge, tolerance: Tolerance, name: str
+    backend: Backend, judge: Judge, tolerance: ToleranceModel, name: str
 ) -> None:
     """Stages are compared in order, so a failure names the first stage that deviates."""
     case, record, check, source = _setup(judge, name, "backend.forward(model, tokens)")
+    bound = tolerance.at(case.config, len(case.tokens[0]))
+    scales = _scales(case, record)
     model = backend.build(case.config, case.parameters())
     output = backend.forward(model, case.tokens)
     if output.stages is not None:
@@ -54,19 +67,34 @@ def test_values_match_the_golden_case(
         for stage, expected in record.stages:
             if stage not in got:
                 check.fail(f"{source}: stage {stage}", "missing", f"shape {list(expected.shape)}")
-            check.close(f"{source}: stage {stage}", got[stage], expected, tolerance.values)
-    check.close(f"{source}: logits", output.logits, record.logits, tolerance.values)
+            scale = None if scales is None else scales.stage(expected)
+            check.close(f"{source}: stage {stage}", got[stage], expected, bound.stages, scale=scale)
+    check.close(
+        f"{source}: logits",
+        output.logits,
+        record.logits,
+        bound.logits,
+        scale=None if scales is None else scales.logits,
+    )
     loss = backend.loss(model, case.tokens, case.targets).loss
-    check.close(f"{source}: loss", np.asarray(loss), np.asarray(record.loss), tolerance.values)
+    check.close(
+        f"{source}: loss",
+        np.asarray(loss),
+        np.asarray(record.loss),
+        bound.loss,
+        scale=None if scales is None else scales.loss,
+    )
 
 
 @pytest.mark.rule("GOLDEN-GRADIENTS")
 @pytest.mark.parametrize("name", NAMES)
 def test_gradients_match_the_golden_case(
-    backend: Backend, judge: Judge, tolerance: Tolerance, name: str
+    backend: Backend, judge: Judge, tolerance: ToleranceModel, name: str
 ) -> None:
     call = "backend.loss(model, tokens, targets).gradients"
     case, record, check, source = _setup(judge, name, call)
+    bound = tolerance.at(case.config, len(case.tokens[0])).gradients
+    scales = _scales(case, record)
     model = backend.build(case.config, case.parameters())
     got = backend.loss(model, case.tokens, case.targets).gradients or {}
     for parameter, expected in record.gradients:
@@ -75,5 +103,9 @@ def test_gradients_match_the_golden_case(
                 f"{source}: gradient of {parameter}", "missing", f"shape {list(expected.shape)}"
             )
         check.close(
-            f"{source}: gradient of {parameter}", got[parameter], expected, tolerance.gradients
+            f"{source}: gradient of {parameter}",
+            got[parameter],
+            expected,
+            bound,
+            scale=None if scales is None else scales.gradients,
         )

@@ -15,7 +15,7 @@ from spec.gradcheck import central_difference_checks, seed_probe
 from spec.oracle import oracle_forward, precision
 from spec.oracle_gradients import oracle_gradients
 from spec.parameters import parameter_layout
-from spec.tolerances import Tolerance
+from spec.tolerances import ToleranceModel
 
 
 @pytest.mark.rule("GRAD-FINITE")
@@ -46,7 +46,7 @@ def test_every_parameter_gets_a_finite_gradient(
 @suite_settings(cost=2)
 @given(scenario=scenarios(full_context=True))
 def test_gradients_match_the_oracle(
-    backend: Backend, judge: Judge, scenario: Scenario, tolerance: Tolerance
+    backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
 ) -> None:
     """Parameters are compared in the stable order, so a failure names the first one off."""
     parameters = scenario.parameters()
@@ -55,21 +55,27 @@ def test_gradients_match_the_oracle(
     )
     got = backend.loss(scenario.build(backend), scenario.tokens, scenario.targets).gradients or {}
     check = judge.on(scenario.case("backend.loss(model, tokens, targets).gradients"))
+    bound = tolerance.at(scenario.config, scenario.tokens.shape[1]).gradients
     for name, expected in exact.gradients.items():
         if name not in got:
             check.fail(f"gradient of {name}", "missing", f"shape {list(expected.shape)}")
-        check.close(f"gradient of {name}", got[name], expected, tolerance.gradients)
+        check.close(f"gradient of {name}", got[name], expected, bound)
 
 
 @pytest.mark.rule("GRAD-SEED-CHECK")
-def test_seed_central_difference_check(backend: Backend, judge: Judge) -> None:
+def test_seed_central_difference_check(
+    backend: Backend, judge: Judge, tolerance: ToleranceModel
+) -> None:
     """All 20 table and 4 gain coordinates of the zero-block probe: step 1e-6, tolerance 2e-5.
 
     The difference quotient is taken of the oracle's loss at the float64 points x +- h, so
-    the check means the same for a float32 backend as for a float64 one.
+    the check means the same for a float32 backend as for a float64 one. A 16-bit backend
+    cannot hold a gradient to 2e-5 (bfloat16's unit roundoff is 3.9e-3): it is held to the
+    derived gradient tolerance of its precision where that is the larger.
     """
     config, parameters = seed_probe()
     tokens, targets = FIXTURE.probe_tokens, FIXTURE.probe_targets
+    bound = max(FIXTURE.gradient_tolerance, tolerance.at(config, len(tokens[0])).gradients)
     gradients = backend.loss(backend.build(config, parameters), tokens, targets).gradients or {}
     check = judge.on(
         Case(
@@ -84,12 +90,13 @@ def test_seed_central_difference_check(backend: Backend, judge: Judge) -> None:
             parameters,
             gradients,
             lambda shifted: oracle_forward(config, shifted, tokens, targets, digits=30).mean_loss(),
+            tolerance=bound,
         )
     for coordinate in checks:
         check.check(
             coordinate.passed,
             f"gradient of {coordinate.name}{list(coordinate.index)}",
             f"{coordinate.analytic!r} (scaled error {coordinate.error:.2e})",
-            f"{coordinate.numerical!r} within {FIXTURE.gradient_tolerance}",
+            f"{coordinate.numerical!r} within {bound:.2g}",
         )
     check.check(len(checks) == 24, "coordinates checked", len(checks), 24)

@@ -14,14 +14,18 @@ from conformance.cases import Scenario, scenarios
 from conformance.checks import Judge
 from conformance.profiles import suite_settings
 from spec.parameters import EMBEDDING_NAME
-from spec.tolerances import Tolerance
+from spec.tolerances import ToleranceModel
 
 
 @pytest.mark.rule("TIE-SINGLE-LEAF")
 @suite_settings()
 @given(scenario=scenarios(min_vocabulary=2), data=st.data())
 def test_one_table_serves_both_uses(
-    backend: Backend, judge: Judge, scenario: Scenario, tolerance: Tolerance, data: st.DataObject
+    backend: Backend,
+    judge: Judge,
+    scenario: Scenario,
+    tolerance: ToleranceModel,
+    data: st.DataObject,
 ) -> None:
     """Change row v of the table: the lookup of v and logit column v must both follow."""
     row = int(scenario.tokens.flat[data.draw(st.integers(0, scenario.tokens.size - 1))])
@@ -36,7 +40,8 @@ def test_one_table_serves_both_uses(
     if before.stages is not None and after.stages is not None:
         looked_up = dict(after.stages)["embedding"][scenario.tokens == row]
         expected = np.broadcast_to(changed[0][1][row], looked_up.shape)
-        check.close(f"lookup of changed row {row}", looked_up, expected, tolerance.values)
+        bound = tolerance.at(scenario.config, scenario.tokens.shape[1]).stages
+        check.close(f"lookup of changed row {row}", looked_up, expected, bound)
 
 
 def _table_gradient(backend: Backend, scenario: Scenario, **detach: bool) -> FloatArray:
@@ -49,13 +54,14 @@ def _table_gradient(backend: Backend, scenario: Scenario, **detach: bool) -> Flo
 @suite_settings()
 @given(scenario=scenarios())
 def test_table_gradient_is_the_sum_of_both_roles(
-    backend: Backend, judge: Judge, scenario: Scenario, tolerance: Tolerance
+    backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
 ) -> None:
     full = _table_gradient(backend, scenario)
     lookup_role = _table_gradient(backend, scenario, detach_head=True)
     output_role = _table_gradient(backend, scenario, detach_lookup=True)
     check = judge.on(scenario.case("backend.loss(model, tokens, targets)"))
-    check.close("table gradient", full, lookup_role + output_role, tolerance.gradients)
+    bound = tolerance.at(scenario.config, scenario.tokens.shape[1]).gradients
+    check.close("table gradient", full, lookup_role + output_role, bound)
     # A role missing everywhere keeps the sum right (0 + the output role is the full gradient
     # of such a model), so each role must also be there: with two or more tokens in the
     # vocabulary the loss moves every looked-up row and every row of the head.
@@ -82,7 +88,11 @@ def test_table_gradient_is_the_sum_of_both_roles(
 @suite_settings()
 @given(scenario=scenarios(min_vocabulary=3, max_batch=2), data=st.data())
 def test_rows_never_looked_up_receive_the_output_role(
-    backend: Backend, judge: Judge, scenario: Scenario, tolerance: Tolerance, data: st.DataObject
+    backend: Backend,
+    judge: Judge,
+    scenario: Scenario,
+    tolerance: ToleranceModel,
+    data: st.DataObject,
 ) -> None:
     """For a row v no token looks up, dL/dE[v] = mean over positions of (p_v - [y = v]) h."""
     vocabulary = scenario.config.vocabulary_size
@@ -105,5 +115,5 @@ def test_rows_never_looked_up_receive_the_output_role(
         f"table gradient of unused rows {rows}",
         np.asarray(gradient[EMBEDDING_NAME])[rows],
         expected[rows],
-        tolerance.gradients,
+        tolerance.at(scenario.config, scenario.tokens.shape[1]).gradients,
     )

@@ -124,7 +124,7 @@ def _depths_valid(backend: Backend, fixture: Fixture) -> bool:
         ):
             return False
         if layers == 0:
-            tolerance = tolerance_for(backend.precision).values
+            tolerance = tolerance_for(backend.precision).at(depth, length).logits
             table, gain = dict(parameters)[EMBEDDING_NAME], dict(parameters)[FINAL_NORM_NAME]
             expected = depth_zero_logits(depth, table, gain, fixture.tokens)
             if not np.all(scaled_error(output.logits, expected) <= tolerance):
@@ -282,7 +282,7 @@ class Departure:
             where = "loss"
         return (
             f"first departure: {where}: backend {self.got!r}, reference {self.expected!r} "
-            f"(scaled error {self.error:.3e}, tolerance {self.tolerance:.0e})"
+            f"(scaled error {self.error:.3e}, tolerance {self.tolerance:.3g})"
         )
 
 

@@ -1,72 +1,174 @@
-"""Tolerances per precision class, and how they were derived.
+"""Tolerances per precision and per configuration, and how they were derived.
 
 Errors are measured as the *scaled error* ``|got - exact| / max(1, |exact|)`` per element,
-against the mpmath oracle (values) or exact gradients. A tolerance is the largest error
-measured over generated configurations, times a safety margin of 100, rounded up to a
-power of ten. The figures behind each entry are recorded beside it.
+against the mpmath oracle (values) or exact gradients. For each declared precision and each
+quantity (stages, logits, loss, gradients) the tolerance is an error model
+
+    tolerance = c * u * f(config),   f = (depth + 1)^a * width^b * positions^p * vocabulary^v
+
+with ``u`` the format's unit roundoff, the exponents fitted (least squares on the logarithm)
+to the errors a correct implementation at that precision shows over thousands of generated
+configurations, and ``c`` the largest measured ``error / (u f)`` times a stated safety
+factor. The instrument is :mod:`impl.emulation` (the reference's formulas with every
+operation rounded to the format) and, for float64, the reference itself;
+``decoder-conformance tolerances derive`` measures it again and (``--write``) writes
+``spec/derived_tolerances.json``, which this module reads; ``tolerances show`` prints it.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from importlib import resources
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["TOLERANCES", "Precision", "Tolerance", "scaled_error", "tolerance_for"]
+from spec.config import DecoderConfig
+from spec.formats import Precision, number_format
+
+__all__ = [
+    "DOCUMENT",
+    "TABLE",
+    "Growth",
+    "Precision",
+    "Quantity",
+    "QuantityModel",
+    "Tolerance",
+    "ToleranceModel",
+    "model_from_entry",
+    "scaled_error",
+    "tolerance_for",
+    "tolerance_models",
+]
 
 
-class Precision(StrEnum):
-    """The arithmetic a backend computes in."""
+class Quantity(StrEnum):
+    """What a tolerance bounds."""
 
-    FLOAT64 = "float64"
-    FLOAT32 = "float32"
+    STAGES = "stages"
+    LOGITS = "logits"
+    LOSS = "loss"
+    GRADIENTS = "gradients"
+
+
+@dataclass(frozen=True)
+class Growth:
+    """``f = (depth + 1)^depth * width^width * positions^positions * vocabulary^vocabulary``."""
+
+    depth: float
+    width: float
+    positions: float
+    vocabulary: float
+
+    def __call__(self, config: DecoderConfig, positions: int) -> float:
+        return float(
+            (config.layers + 1) ** self.depth
+            * config.model_width**self.width
+            * max(1, positions) ** self.positions
+            * config.vocabulary_size**self.vocabulary
+        )
+
+
+@dataclass(frozen=True)
+class QuantityModel:
+    """One quantity's error model at one precision, with the figures it was fitted from."""
+
+    coefficient: float
+    growth: Growth
+    worst_ratio: float
+    median_ratio: float
+    samples: int
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Largest acceptable scaled error for forward values and for gradients."""
+    """The largest acceptable scaled error of each quantity, for one configuration."""
 
-    values: float
+    stages: float
+    logits: float
+    loss: float
     gradients: float
+
+    @property
+    def values(self) -> float:
+        """The forward values' tolerance where a check mixes stages, logits and loss."""
+        return max(self.stages, self.logits, self.loss)
+
+
+@dataclass(frozen=True)
+class ToleranceModel:
+    """Every quantity's error model for one declared precision."""
+
+    precision: Precision
+    unit_roundoff: float
+    safety: float
+    quantities: Mapping[Quantity, QuantityModel]
     derivation: str
 
+    def bound(self, quantity: Quantity | str, config: DecoderConfig, positions: int) -> float:
+        """``c * u * f(config, positions)`` for one quantity."""
+        model = self.quantities[Quantity(quantity)]
+        return model.coefficient * self.unit_roundoff * model.growth(config, positions)
 
-TOLERANCES: dict[Precision, Tolerance] = {
-    Precision.FLOAT64: Tolerance(
-        values=1e-12,
-        gradients=1e-11,
-        derivation=(
-            "decoder-conformance tolerances derive --configs 200, an earlier survey (the "
-            "reference against the 40-digit oracle; depth 0-3, 1-4 heads, head width 2-8, context "
-            "up to 8): values max 6.8e-15 (logits), p99 3.7e-15 -> x100 -> 1e-12; gradients max "
-            "1.5e-14, p99 5.2e-15 -> x100 -> 1e-11. Drawn from spec.strategies (epsilon 0 and "
-            "width 2 together) the survey finds values max 1.5e-14, gradients max 2.0e-13 on one "
-            "ill-conditioned configuration (torch float64 measures the same): 67x and 50x under "
-            "these bounds"
-        ),
-    ),
-    Precision.FLOAT32: Tolerance(
-        values=1e-3,
-        gradients=1e-3,
-        derivation=(
-            "decoder-conformance tolerances derive --adapter torch-float32 --configs 200, an "
-            "earlier survey (PyTorch 2.13 float32, parameters rounded to float32, against the "
-            "40-digit oracle): values max 2.6e-6 (blocks, logits), p99 1.8e-6 -> x100 -> 1e-3; "
-            "gradients max 4.8e-6, p99 2.1e-6 -> x100 -> 1e-3. Drawn from spec.strategies the "
-            "survey finds values max 7.7e-6, gradients max 1.0e-4 on one ill-conditioned "
-            "configuration (epsilon 0, width 2), p99 5.6e-6: 10x under the gradient bound"
-        ),
-    ),
+    def at(self, config: DecoderConfig, positions: int | None = None) -> Tolerance:
+        """Every quantity's tolerance for ``config`` over sequences of ``positions`` tokens
+        (the whole context when not given)."""
+        length = config.context if positions is None else positions
+        bounds = {quantity: self.bound(quantity, config, length) for quantity in Quantity}
+        return Tolerance(
+            stages=bounds[Quantity.STAGES],
+            logits=bounds[Quantity.LOGITS],
+            loss=bounds[Quantity.LOSS],
+            gradients=bounds[Quantity.GRADIENTS],
+        )
+
+
+def model_from_entry(precision: Precision, entry: Mapping[str, Any]) -> ToleranceModel:
+    """The error model one entry of :data:`spec.derived_tolerances.TABLE` describes."""
+    quantities = {
+        Quantity(name): QuantityModel(
+            coefficient=float(fitted["coefficient"]),
+            growth=Growth(**{key: float(value) for key, value in fitted["exponents"].items()}),
+            worst_ratio=float(fitted["worst_ratio"]),
+            median_ratio=float(fitted["median_ratio"]),
+            samples=int(fitted["samples"]),
+        )
+        for name, fitted in entry["quantities"].items()
+    }
+    return ToleranceModel(
+        precision=precision,
+        unit_roundoff=number_format(precision).unit_roundoff,
+        safety=float(entry["safety"]),
+        quantities=quantities,
+        derivation=str(entry["derivation"]),
+    )
+
+
+# Written by ``decoder-conformance tolerances derive --write``; package data, not code.
+DOCUMENT: dict[str, Any] = json.loads(
+    resources.files("spec").joinpath("derived_tolerances.json").read_text(encoding="utf-8")
+)
+TABLE: dict[str, Any] = DOCUMENT["precisions"]
+
+_MODELS: dict[Precision, ToleranceModel] = {
+    Precision(name): model_from_entry(Precision(name), entry) for name, entry in TABLE.items()
 }
 
 
-def tolerance_for(precision: Precision | str) -> Tolerance:
-    """The tolerance of a precision class; a ``KeyError`` names the known classes."""
+def tolerance_models() -> dict[Precision, ToleranceModel]:
+    """The committed error model of every precision."""
+    return dict(_MODELS)
+
+
+def tolerance_for(precision: Precision | str) -> ToleranceModel:
+    """The error model of a precision; a ``KeyError`` names the known ones."""
     try:
-        return TOLERANCES[Precision(precision)]
-    except ValueError:
+        return _MODELS[Precision(precision)]
+    except (ValueError, KeyError):
         known = ", ".join(str(p) for p in Precision)
         raise KeyError(f"no tolerance for precision {precision!r}; known: {known}") from None
 

@@ -59,7 +59,7 @@ def _top(module: str) -> str:
 def _may_import_impl(path: Path) -> bool:
     relative = path.relative_to(ROOT / "conformance")
     return relative.parts[0] == "tools" or (
-        relative.parts[0] == "adapters" and relative.name.startswith("reference")
+        relative.parts[0] == "adapters" and relative.name.startswith(("reference", "emulated"))
     )
 
 

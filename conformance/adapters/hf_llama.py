@@ -7,7 +7,7 @@ head from the spec's interleaved pairs to transformers' rotate-half pairs, the n
 Precision: transformers computes RMSNorm, the rotary tables and the eager softmax in float32
 even in a float64 model. ``hf-llama`` loads float64 weights and declares float32, its real
 precision; ``hf-llama-claims-float64`` declares float64, so the suite can show where and by
-how much that claim fails.
+how much that claim fails. ``hf-llama-bfloat16`` loads bfloat16 weights and declares bfloat16.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from conformance.layouts import HF_LLAMA
 from spec.config import DecoderConfig
 from spec.tolerances import Precision
 
-__all__ = ["HFLlamaBackend", "HFLlamaClaimsFloat64"]
+__all__ = ["HFLlamaBackend", "HFLlamaBfloat16", "HFLlamaClaimsFloat64"]
 
 
 class HFLlamaBackend(BackendBase):
@@ -145,6 +145,15 @@ class HFLlamaBackend(BackendBase):
         gradients = dict(HF_LLAMA.load(config, state))
         hf.zero_grad(set_to_none=True)
         return LossOutput(loss=float(loss.item()), gradients=gradients)
+
+
+class HFLlamaBfloat16(HFLlamaBackend):
+    """The same model with bfloat16 weights, as it is usually run: transformers still
+    computes RMSNorm, the rotary tables and the softmax in float32 and rounds to bfloat16."""
+
+    name = "hf-llama-bfloat16"
+    precision = Precision.BFLOAT16
+    dtype = torch.bfloat16
 
 
 class HFLlamaClaimsFloat64(HFLlamaBackend):

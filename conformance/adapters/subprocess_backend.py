@@ -49,8 +49,8 @@ from conformance.protocol import (
 )
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
+from spec.formats import Precision, accepted_dtypes
 from spec.recipe import SplitMix64
-from spec.tolerances import Precision
 
 __all__ = ["BackendFault", "SubprocessBackend"]
 
@@ -301,20 +301,25 @@ class SubprocessBackend(BackendBase):
             array = decode_array(message, what)
         except ProtocolError as error:
             raise self._broken(str(error)) from None
-        allowed = {"float64", str(self.precision)}
+        allowed = self._wire_dtypes()
         if array.dtype.name not in allowed:
             raise self._broken(
                 f"{what} has dtype {array.dtype.name}, but the backend declares "
-                f"{self.precision}: send {' or '.join(sorted(allowed))}"
+                f"{self.precision}: send {' or '.join(allowed)}"
             )
         return array.astype(np.float64)
+
+    def _wire_dtypes(self) -> tuple[str, ...]:
+        """The dtypes the protocol carries for the declared precision (bfloat16 has no numpy
+        name on the wire: a bfloat16 backend sends float32 or float64)."""
+        return tuple(name for name in accepted_dtypes(self.precision) if name != "bfloat16")
 
     def _named_floats(self, message: object, what: str) -> list[tuple[str, FloatArray]]:
         try:
             entries = decode_parameters(message, what)
         except ProtocolError as error:
             raise self._broken(str(error)) from None
-        allowed = {"float64", str(self.precision)}
+        allowed = self._wire_dtypes()
         for index, (name, value) in enumerate(entries):
             if value.dtype.name not in allowed:
                 raise self._broken(

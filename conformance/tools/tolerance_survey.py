@@ -1,14 +1,13 @@
-"""Measure a backend's errors against the mpmath oracle, and derive tolerances from them.
+"""Measure a backend's errors against the mpmath oracle, judged by the derived tolerances.
 
-``decoder-conformance tolerances derive`` runs :func:`survey` over generated configurations
-and prints, per stage, the distribution of the largest scaled error of each configuration,
-and the tolerance that distribution implies: the maximum times a safety margin, rounded up
-to a power of ten.
+``decoder-conformance tolerances derive --adapter NAME`` runs :func:`survey` over the suite's
+scenarios and prints, per quantity, the errors, the share of each case's derived bound they
+use, and the ratio of the derived bound to torch.testing's default criterion on the same
+elements (the derivation itself is :mod:`conformance.tools.tolerance_derivation`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,16 +15,17 @@ import numpy.typing as npt
 from hypothesis import strategies as st
 
 from conformance.adapter import Backend, Capability
+from conformance.cases import Scenario, scenarios
 from spec import strategies
-from spec.config import FIXTURE, DecoderConfig
+from spec.config import FIXTURE
+from spec.formats import Precision
 from spec.gradcheck import central_difference_checks, seed_probe
 from spec.oracle import oracle_forward, to_float64
 from spec.oracle_gradients import oracle_gradients
-from spec.recipe import initial_parameters
-from spec.tolerances import Tolerance, scaled_error
+from spec.tolerances import Quantity, scaled_error, tolerance_for
 
 __all__ = [
-    "SAFETY_MARGIN",
+    "TORCH_TESTING",
     "SeedCheckAccount",
     "Survey",
     "account_for_seed_check",
@@ -34,94 +34,86 @@ __all__ = [
     "survey_cases",
 ]
 
-SAFETY_MARGIN = 100.0
-STAGE_CLASSES = ("embedding", "blocks", "final-norm", "logits", "loss", "gradients")
+# torch.testing.assert_close's defaults, (rtol, atol): |got - exact| <= atol + rtol |exact|.
+TORCH_TESTING: dict[Precision, tuple[float, float]] = {
+    Precision.FLOAT64: (1e-7, 1e-7),
+    Precision.FLOAT32: (1.3e-6, 1e-5),
+    Precision.BFLOAT16: (1.6e-2, 1e-5),
+    Precision.FLOAT16: (1e-3, 1e-5),
+}
 
 
-IdArray = npt.NDArray[np.int64]
-Case = tuple[DecoderConfig, int, IdArray, IdArray]
-
-
-def survey_cases() -> st.SearchStrategy[Case]:
-    """Configurations a little beyond the suite's (depth 0-3, 1-4 heads, head widths 2-8,
-    contexts up to 8, RoPE bases down to 10), each with a seed, tokens and targets."""
-
-    @st.composite
-    def build(draw: st.DrawFn) -> Case:
-        config = draw(
-            strategies.configs(
-                max_vocabulary=12,
-                max_heads=4,
-                max_head_width=8,
-                max_feed_forward=16,
-                max_layers=3,
-                max_context=8,
-                rope_bases=(10000.0, 100.0, 10.0),
-            )
-        )
-        tokens, targets = draw(strategies.runs(config))
-        return config, draw(st.integers(0, 2**64 - 1)), tokens, targets
-
-    return build()
+def survey_cases() -> st.SearchStrategy[Scenario]:
+    """The suite's own scenarios: recipe and varied parameters, full contexts."""
+    return scenarios(full_context=True)
 
 
 @dataclass
 class Survey:
-    """Per stage class, the largest scaled error of each measured configuration."""
+    """Per quantity and measured case: the largest scaled error, the share of the derived
+    bound it uses, and the derived bound over torch.testing's default criterion."""
 
     backend: str
     precision: str
-    errors: dict[str, list[float]] = field(
-        default_factory=lambda: {name: [] for name in STAGE_CLASSES}
+    errors: dict[Quantity, list[float]] = field(
+        default_factory=lambda: {quantity: [] for quantity in Quantity}
+    )
+    use: dict[Quantity, list[float]] = field(
+        default_factory=lambda: {quantity: [] for quantity in Quantity}
+    )
+    against_torch: dict[Quantity, list[float]] = field(
+        default_factory=lambda: {quantity: [] for quantity in Quantity}
     )
 
-    def derived(self, stage: str) -> float | None:
-        """The tolerance one stage's errors imply (None without measurements)."""
-        return _power_above(self.errors[stage])
-
-    def derived_tolerance(self) -> tuple[float | None, float | None]:
-        """The value tolerance (every forward stage, logits and loss) and the gradient one."""
-        forward = [value for stage in STAGE_CLASSES[:-1] for value in self.errors[stage]]
-        return _power_above(forward), _power_above(self.errors["gradients"])
-
-
-def _power_above(errors: list[float]) -> float | None:
-    """``max(errors) x SAFETY_MARGIN`` rounded up to a power of ten."""
-    if not errors:
-        return None
-    worst = max(*errors, float(np.finfo(np.float64).eps))
-    return float(10.0 ** math.ceil(math.log10(worst * SAFETY_MARGIN)))
+    def add(
+        self,
+        quantity: Quantity,
+        pairs: list[tuple[npt.ArrayLike, npt.ArrayLike]],
+        bound: float,
+    ) -> None:
+        """Record one case: ``pairs`` of (got, exact) arrays judged at ``bound``."""
+        rtol, atol = TORCH_TESTING[Precision(self.precision)]
+        worst, ratios = 0.0, []
+        for got, exact in pairs:
+            exact_array = np.asarray(exact, dtype=np.float64)
+            worst = max(worst, float(np.max(scaled_error(got, exact_array), initial=0.0)))
+            # The absolute error each criterion allows, element by element.
+            derived = bound * np.maximum(1.0, np.abs(exact_array))
+            ratios.append(np.ravel(derived / (atol + rtol * np.abs(exact_array))))
+        self.errors[quantity].append(worst)
+        self.use[quantity].append(worst / bound)
+        self.against_torch[quantity].append(float(np.median(np.concatenate(ratios))))
 
 
 def survey(backend: Backend, *, configs: int = 100, seed: int = 0) -> Survey:
-    """Errors of ``backend`` against the oracle over ``configs`` generated configurations."""
+    """``backend``'s errors against the oracle over ``configs`` of the suite's scenarios,
+    each judged at the derived tolerance of its configuration."""
     measured = Survey(backend.name, str(backend.precision))
-    for config, parameter_seed, tokens, targets in strategies.sample(
-        survey_cases(), configs, seed_value=seed
-    ):
-        parameters = initial_parameters(config, parameter_seed)
+    model = tolerance_for(backend.precision)
+    for scenario in strategies.sample(survey_cases(), configs, seed_value=seed):
+        config, tokens, targets = scenario.config, scenario.tokens, scenario.targets
+        parameters = scenario.parameters()
+        bound = model.at(config, tokens.shape[1])
         exact = oracle_forward(config, parameters, tokens, targets, digits=40)
-        model = backend.build(config, parameters)
-        output = backend.forward(model, tokens)
+        built = backend.build(config, parameters)
+        output = backend.forward(built, tokens)
         if output.stages is not None:
             got = dict(output.stages)
-            for name, values in exact.stages:
-                stage = "blocks" if name.startswith("block-") else name
-                measured.errors[stage].append(
-                    float(np.max(scaled_error(got[name], to_float64(values))))
-                )
-        measured.errors["logits"].append(
-            float(np.max(scaled_error(output.logits, to_float64(exact.logits))))
-        )
-        loss = backend.loss(model, tokens, targets)
-        measured.errors["loss"].append(float(scaled_error(loss.loss, float(exact.mean_loss()))))
+            measured.add(
+                Quantity.STAGES,
+                [(got[name], to_float64(values)) for name, values in exact.stages],
+                bound.stages,
+            )
+        measured.add(Quantity.LOGITS, [(output.logits, to_float64(exact.logits))], bound.logits)
+        loss = backend.loss(built, tokens, targets)
+        measured.add(Quantity.LOSS, [(loss.loss, float(exact.mean_loss()))], bound.loss)
         if Capability.GRADIENTS in backend.capabilities and loss.gradients is not None:
             oracle = oracle_gradients(config, parameters, tokens, targets, digits=40)
-            worst = max(
-                float(np.max(scaled_error(loss.gradients[name], value)))
-                for name, value in oracle.gradients.items()
+            measured.add(
+                Quantity.GRADIENTS,
+                [(loss.gradients[name], value) for name, value in oracle.gradients.items()],
+                bound.gradients,
             )
-            measured.errors["gradients"].append(worst)
     return measured
 
 
@@ -168,41 +160,32 @@ def account_for_seed_check(backend: Backend) -> SeedCheckAccount:
     )
 
 
-def _format(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1e}"
-
-
-def render_survey(
-    measured: Survey, committed: Tolerance | None = None, account: SeedCheckAccount | None = None
-) -> str:
-    """The error distribution per stage and the table it implies."""
+def render_survey(measured: Survey, account: SeedCheckAccount | None = None) -> str:
+    """Per quantity: the errors, the share of the derived bound they use, and how the derived
+    bound compares with torch.testing's default criterion on the same elements."""
+    rtol, atol = TORCH_TESTING[Precision(measured.precision)]
     lines = [
         f"backend {measured.backend} ({measured.precision}): largest scaled error "
-        "|got - exact| / max(1, |exact|) per configuration, against the 40-digit oracle;",
-        f"tolerance = max x {SAFETY_MARGIN:g}, rounded up to a power of ten",
-        f"{'stage':<12} {'samples':>7} {'max':>9} {'p99':>9} {'median':>9} {'derived':>9}",
+        "|got - exact| / max(1, |exact|) per case, against the 40-digit oracle, each case "
+        "judged at its configuration's derived tolerance;",
+        f"vs torch.testing: the derived bound over atol + rtol |exact| "
+        f"(rtol {rtol:g}, atol {atol:g}), median over a case's elements",
+        f"{'quantity':<10} {'cases':>5} {'max error':>9} {'median':>9} {'max use':>8} "
+        f"{'vs torch.testing median':>24} {'worst':>8}",
     ]
-    for stage in STAGE_CLASSES:
-        values = measured.errors[stage]
-        if not values:
-            lines.append(f"{stage:<12} {0:>7} {'-':>9} {'-':>9} {'-':>9} {'-':>9}")
+    for quantity in Quantity:
+        errors = measured.errors[quantity]
+        if not errors:
+            lines.append(f"{quantity!s:<10} {0:>5} {'-':>9}")
             continue
-        array = np.asarray(values)
+        ratios = np.asarray(measured.against_torch[quantity])
         lines.append(
-            f"{stage:<12} {array.size:>7} {array.max():>9.1e} {np.percentile(array, 99):>9.1e} "
-            f"{np.median(array):>9.1e} {_format(measured.derived(stage)):>9}"
+            f"{quantity!s:<10} {len(errors):>5} {max(errors):>9.1e} {np.median(errors):>9.1e} "
+            f"{max(measured.use[quantity]):>8.3f} {np.median(ratios):>24.3g} {ratios.max():>8.3g}"
         )
-    values_tolerance, gradient_tolerance = measured.derived_tolerance()
-    derived = f"values {_format(values_tolerance)}, gradients {_format(gradient_tolerance)}"
-    lines.append(f"derived table: {derived}")
-    if committed is not None:
-        pairs = ((values_tolerance, committed.values), (gradient_tolerance, committed.gradients))
-        holds = all(derived is None or derived <= bound for derived, bound in pairs)
-        verdict = "holds" if holds else "DOES NOT HOLD"
-        lines.append(
-            f"committed table ({measured.precision}): values {committed.values:.0e}, "
-            f"gradients {committed.gradients:.0e}: {verdict}"
-        )
+    worst_use = max((max(values) for values in measured.use.values() if values), default=0.0)
+    verdict = "holds" if worst_use <= 1 else "DOES NOT HOLD"
+    lines.append(f"the derived tolerances {verdict} (largest use {worst_use:.3f})")
     if account is not None:
         lines += [
             "",

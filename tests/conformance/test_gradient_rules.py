@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conformance.runner import run_suite
@@ -27,4 +29,5 @@ def test_wrong_gradients_are_caught_by_the_oracle_rule(backend: str, first_wrong
     rule = report.rule("GRAD-ORACLE")
     assert rule.status == "failed"
     assert f"[GRAD-ORACLE] {first_wrong}" in rule.message
-    assert "but should be" in rule.message and "within 1e-11" in rule.message
+    assert "but should be" in rule.message
+    assert re.search(r"within \d(\.\d+)?e-1[0-9]", rule.message), "a float64 gradient bound"

@@ -340,7 +340,8 @@ def test_the_trace_of_the_reference_through_its_adapter_is_the_seed_s(tmp_path: 
     assert result.returncode == 0, result.stderr
     assert result.stdout == GOLDEN_TRACE.read_text()
     same = cli("trace", "--adapter", "reference", "--diff", "--width", "8", cwd=tmp_path)
-    assert same.stdout.rstrip().endswith("no departure from the reference beyond 1e-12")
+    # The float64 bound derived for the traced configuration (width 8, three tokens).
+    assert re.search(r"no departure from the reference beyond \d\S*e-1[3-5]$", same.stdout.rstrip())
 
 
 def test_trace_diff_names_the_first_departure() -> None:
@@ -351,6 +352,6 @@ def test_trace_diff_names_the_first_departure() -> None:
     last = result.stdout.rstrip().splitlines()[-1]
     assert re.fullmatch(
         r"first departure: stage block-0 batch=0 token=\d+ feature=\d+: backend \S+, "
-        r"reference \S+ \(scaled error \S+, tolerance 1e-12\)",
+        r"reference \S+ \(scaled error \S+, tolerance \d\S*e-1[3-5]\)",
         last,
     ), last

@@ -10,22 +10,22 @@ from pathlib import Path
 import pytest
 
 import conformance.tools.mutants as catalogue
-from conformance.adapter import load_backend
+from conformance.adapter import BackendBase, load_backend
 from conformance.tools.mutant_runner import check_reproductions, killer_scripts, run_catalogue
 from conformance.tools.mutants import MUTANTS, mutant_named
 from conformance.tools.mutants.base import MutantBackend
 from spec.rules import RuleCategory, rule
 
 
-def _mutant_classes() -> list[type[MutantBackend]]:
-    """Every MutantBackend subclass the catalogue's modules define (helpers start with _)."""
+def _mutant_classes() -> list[type[BackendBase]]:
+    """Every backend class the catalogue's modules define (helpers start with _)."""
     found = []
     for info in pkgutil.iter_modules(catalogue.__path__):
         module = importlib.import_module(f"{catalogue.__name__}.{info.name}")
         for name, value in vars(module).items():
             if (
                 inspect.isclass(value)
-                and issubclass(value, MutantBackend)
+                and issubclass(value, BackendBase)
                 and value is not MutantBackend
                 and value.__module__ == module.__name__
                 and not name.startswith("_")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from conformance.adapter import BackendBase
 from conformance.adapters.reference import ReferenceBackend
 from impl.model import DecoderModel
 from spec.rules import RuleCategory, rule
@@ -42,7 +43,7 @@ class MutantBackend(ReferenceBackend):
     name = "mutant"
 
 
-Backend = TypeVar("Backend", bound=type[MutantBackend])
+Backend = TypeVar("Backend", bound=type[BackendBase])
 
 
 def _kebab(class_name: str) -> str:

@@ -1,0 +1,377 @@
+"""Derive the error models of :mod:`spec.tolerances` from measurements.
+
+For every generated case (a configuration, parameters of the ``recipe`` or ``varied``
+variant, tokens and targets) the mpmath oracle gives the exact stages, logits, loss and
+gradients once; each precision's instrument is then measured against it:
+
+- float64: the reference itself and :class:`impl.emulation.EmulatedModel` in float64 (the
+  same formulas with ``1/sqrt`` for the recipe's ``exp(-log/2)``), the larger error of the two;
+- float32, bfloat16, float16: :class:`impl.emulation.EmulatedModel` in that format.
+
+A few long sequences (up to 4096 positions, beyond the oracle's reach for gradients) are
+measured against the float64 reference instead, whose own error there is below 1e-12 of
+these formats' tolerances. Per quantity, the exponents of ``f`` are fitted by least squares
+to ``log(error / u)`` (clamped at 0: no tolerance shrinks as a model grows), and the
+coefficient is ``SAFETY`` times the largest measured ``error / (u f)``. A second, held-out
+set of cases (another seed) then reports how much of each bound it uses.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import platform
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from hypothesis import strategies as st
+
+from impl.emulation import EmulatedModel
+from impl.model import DecoderModel
+from spec import strategies
+from spec.config import DecoderConfig
+from spec.formats import Precision, number_format
+from spec.oracle import oracle_forward, to_float64
+from spec.oracle_gradients import oracle_gradients
+from spec.tolerances import Quantity, ToleranceModel, scaled_error
+from spec.variants import scenario_parameters
+
+__all__ = [
+    "SAFETY",
+    "Measurement",
+    "derivation_cases",
+    "fit",
+    "measure",
+    "render_derivation",
+    "table_document",
+]
+
+SAFETY = 4.0
+ORACLE_DIGITS = 30
+FEATURES = ("depth", "width", "positions", "vocabulary")
+
+IdArray = npt.NDArray[np.int64]
+Arrays = dict[str, npt.NDArray[np.float64]]
+
+
+@dataclass(frozen=True)
+class DerivationCase:
+    """One measured run."""
+
+    config: DecoderConfig
+    seed: int
+    variant: str
+    tokens: IdArray
+    targets: IdArray
+
+
+@dataclass(frozen=True)
+class Exact:
+    """The exact answers of one case."""
+
+    stages: list[tuple[str, npt.NDArray[np.float64]]]
+    logits: npt.NDArray[np.float64]
+    loss: float
+    gradients: Arrays
+
+
+@dataclass
+class Measurement:
+    """Per precision, per case: the features and the largest scaled error per quantity."""
+
+    features: dict[Precision, list[tuple[float, ...]]] = field(default_factory=dict)
+    errors: dict[Precision, dict[Quantity, list[float]]] = field(default_factory=dict)
+
+    def add(
+        self, precision: Precision, case: DerivationCase, errors: dict[Quantity, float]
+    ) -> None:
+        config = case.config
+        features = (
+            float(config.layers + 1),
+            float(config.model_width),
+            float(case.tokens.shape[1]),
+            float(config.vocabulary_size),
+        )
+        self.features.setdefault(precision, []).append(features)
+        table = self.errors.setdefault(precision, {quantity: [] for quantity in Quantity})
+        for quantity in Quantity:
+            table[quantity].append(errors[quantity])
+
+
+def _cases(count: int, seed: int) -> st.SearchStrategy[DerivationCase]:
+    @st.composite
+    def build(draw: st.DrawFn) -> DerivationCase:
+        config = draw(
+            strategies.configs(
+                max_vocabulary=12,
+                max_heads=4,
+                max_head_width=8,
+                max_feed_forward=16,
+                max_layers=3,
+                max_context=8,
+                rope_bases=(10000.0, 100.0, 10.0),
+            )
+        )
+        tokens, targets = draw(strategies.runs(config))
+        return DerivationCase(
+            config,
+            draw(st.integers(0, 2**32 - 1)),
+            draw(st.sampled_from(("recipe", "varied"))),
+            np.asarray(tokens),
+            np.asarray(targets),
+        )
+
+    return build()
+
+
+def derivation_cases(count: int, seed: int) -> list[DerivationCase]:
+    """``count`` generated cases a little beyond the suite's (depth 0-3, 1-4 heads, head
+    widths 2-8, contexts up to 8, RoPE bases down to 10), half of them ``varied``."""
+    return list(strategies.sample(_cases(count, seed), count, seed_value=seed))
+
+
+def long_cases(seed: int) -> list[DerivationCase]:
+    """One-block and two-block models over 16 to 4096 positions."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    cases = []
+    for length, layers in ((16, 2), (64, 1), (256, 2), (1024, 1), (4096, 1)):
+        config = DecoderConfig(7, 8, 1, 8, layers, length)
+        tokens = rng.integers(0, 7, size=(1, length))
+        targets = rng.integers(0, 7, size=(1, length))
+        cases.append(DerivationCase(config, seed + length, "varied", tokens, targets))
+    return cases
+
+
+def _oracle(case: DerivationCase) -> Exact:
+    parameters = scenario_parameters(case.config, case.seed, case.variant)
+    run = oracle_forward(case.config, parameters, case.tokens, case.targets, digits=ORACLE_DIGITS)
+    gradients = oracle_gradients(
+        case.config, parameters, case.tokens, case.targets, digits=ORACLE_DIGITS
+    ).gradients
+    return Exact(
+        [(name, to_float64(values)) for name, values in run.stages],
+        to_float64(run.logits),
+        float(run.mean_loss()),
+        {name: np.asarray(value, dtype=np.float64) for name, value in gradients.items()},
+    )
+
+
+def _reference_run(model: DecoderModel, case: DerivationCase) -> Exact:
+    result = model.forward(case.tokens)
+    loss = model.loss(case.tokens, case.targets)
+    model.zero_grad()
+    loss.backward(retain_graph=False)
+    gradients = {
+        p.name: np.zeros(p.shape) if p.tensor.grad is None else p.tensor.grad.copy()
+        for p in model.parameters()
+    }
+    model.zero_grad()
+    return Exact(
+        [(name, stage.value) for name, stage in result.stages()],
+        result.logits.value,
+        float(loss.value),
+        gradients,
+    )
+
+
+def _emulated_run(reference: DecoderModel, case: DerivationCase, precision: Precision) -> Exact:
+    emulated = EmulatedModel(reference, precision)
+    result = emulated.forward(case.tokens)
+    loss, gradients = emulated.loss_and_gradients(case.tokens, case.targets)
+    return Exact(
+        [(name, stage.value) for name, stage in result.stages], result.logits.value, loss, gradients
+    )
+
+
+def _errors(got: Exact, exact: Exact) -> dict[Quantity, float]:
+    def worst(pairs: Iterable[tuple[Any, Any]]) -> float:
+        return max((float(np.max(scaled_error(a, b), initial=0.0)) for a, b in pairs), default=0.0)
+
+    return {
+        Quantity.STAGES: worst((value, dict(exact.stages)[name]) for name, value in got.stages),
+        Quantity.LOGITS: worst([(got.logits, exact.logits)]),
+        Quantity.LOSS: worst([(got.loss, exact.loss)]),
+        Quantity.GRADIENTS: worst(
+            (value, exact.gradients[name]) for name, value in got.gradients.items()
+        ),
+    }
+
+
+def _larger(first: dict[Quantity, float], second: dict[Quantity, float]) -> dict[Quantity, float]:
+    return {quantity: max(first[quantity], second[quantity]) for quantity in Quantity}
+
+
+def measure(
+    cases: Iterable[DerivationCase],
+    precisions: Iterable[Precision] = tuple(Precision),
+    *,
+    long: Iterable[DerivationCase] = (),
+) -> Measurement:
+    """Every instrument's errors on ``cases`` (against the oracle) and on ``long`` (against
+    the float64 reference; float64 itself is not measured there)."""
+    chosen = tuple(precisions)
+    measured = Measurement()
+    for case, oracle in _with_exact(cases, long):
+        reference = DecoderModel.from_parameters(
+            case.config, scenario_parameters(case.config, case.seed, case.variant)
+        )
+        exact = _reference_run(reference, case) if not oracle else _oracle(case)
+        for precision in chosen:
+            if precision is Precision.FLOAT64:
+                if not oracle:
+                    continue
+                errors = _larger(
+                    _errors(_reference_run(reference, case), exact),
+                    _errors(_emulated_run(reference, case, precision), exact),
+                )
+            else:
+                errors = _errors(_emulated_run(reference, case, precision), exact)
+            measured.add(precision, case, errors)
+    return measured
+
+
+def _with_exact(
+    cases: Iterable[DerivationCase], long: Iterable[DerivationCase]
+) -> Iterator[tuple[DerivationCase, bool]]:
+    for case in cases:
+        yield case, True
+    for case in long:
+        yield case, False
+
+
+def fit(
+    measured: Measurement, precision: Precision, *, safety: float = SAFETY
+) -> dict[str, dict[str, Any]]:
+    """Each quantity's exponents, coefficient and the ratios they came from."""
+    unit = number_format(precision).unit_roundoff
+    features = np.log(np.asarray(measured.features[precision]))
+    fitted: dict[str, dict[str, Any]] = {}
+    for quantity in Quantity:
+        ratios = np.asarray(measured.errors[precision][quantity]) / unit
+        positive = ratios > 0
+        exponents = np.zeros(len(FEATURES))
+        if positive.sum() > len(FEATURES) + 1:
+            design = np.column_stack([np.ones(int(positive.sum())), features[positive]])
+            solution, *_ = np.linalg.lstsq(design, np.log(ratios[positive]), rcond=None)
+            exponents = np.maximum(np.round(solution[1:], 2), 0.0)
+        growth = np.exp(features @ exponents)
+        normalized = ratios / growth
+        worst = float(np.max(normalized)) if normalized.size else 0.0
+        fitted[str(quantity)] = {
+            "exponents": {
+                name: float(value) for name, value in zip(FEATURES, exponents, strict=True)
+            },
+            "worst_ratio": _round(worst),
+            "median_ratio": _round(float(np.median(normalized))) if normalized.size else 0.0,
+            "coefficient": _round(max(worst, 1.0) * safety),
+            "samples": int(normalized.size),
+        }
+    return fitted
+
+
+def _round(value: float) -> float:
+    """Three significant digits, rounded up (a coefficient never shrinks by rounding)."""
+    if value <= 0:
+        return 0.0
+    magnitude = 10 ** (math.floor(math.log10(value)) - 2)
+    return float(math.ceil(value / magnitude) * magnitude)
+
+
+def held_out_use(measured: Measurement, model: ToleranceModel) -> dict[Quantity, float]:
+    """The largest fraction of each bound the held-out cases use (above 1: a false alarm)."""
+    precision = model.precision
+    use: dict[Quantity, float] = {}
+    for quantity in Quantity:
+        worst = 0.0
+        for features, error in zip(
+            measured.features[precision], measured.errors[precision][quantity], strict=True
+        ):
+            growth = model.quantities[quantity].growth
+            f = (
+                features[0] ** growth.depth
+                * features[1] ** growth.width
+                * features[2] ** growth.positions
+                * features[3] ** growth.vocabulary
+            )
+            bound = model.quantities[quantity].coefficient * model.unit_roundoff * f
+            worst = max(worst, error / bound)
+        use[quantity] = worst
+    return use
+
+
+def table_document(table: dict[str, Any], command: str) -> dict[str, Any]:
+    """What :file:`spec/derived_tolerances.json` holds: the table and its provenance."""
+    return {
+        "provenance": {
+            "command": command,
+            "written": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+            "explained_in": "conformance/tools/tolerance_derivation.py",
+        },
+        "precisions": table,
+    }
+
+
+def derivation_text(precision: Precision, fitted: dict[str, dict[str, Any]], cases: int) -> str:
+    """The provenance line of one precision's entry."""
+    instrument = (
+        "the reference and the emulated float64 model (the larger error)"
+        if precision is Precision.FLOAT64
+        else f"impl.emulation.EmulatedModel in {precision} (every operation rounded)"
+    )
+    long = (
+        ""
+        if precision is Precision.FLOAT64
+        else " and 5 long sequences (16-4096 positions, against the float64 reference)"
+    )
+    figures = "; ".join(
+        f"{name}: worst {entry['worst_ratio']:g} u f, median {entry['median_ratio']:g} u f"
+        for name, entry in fitted.items()
+    )
+    return (
+        f"{instrument} against the {ORACLE_DIGITS}-digit oracle over {cases} generated cases"
+        f"{long}; {figures}; coefficient = {SAFETY:g} x max(worst, 1)"
+    )
+
+
+def render_derivation(
+    table: dict[str, Any], held_out: dict[Precision, dict[Quantity, float]] | None = None
+) -> str:
+    """The table as text: per precision and quantity, f's exponents and the coefficient."""
+    lines = [
+        "tolerance = c * u * (depth+1)^a * width^b * positions^p * vocabulary^v "
+        "(scaled error |got - exact| / max(1, |exact|))",
+        f"{'precision':<9} {'quantity':<9} {'u':>8} {'a':>5} {'b':>5} {'p':>5} {'v':>5} "
+        f"{'worst':>7} {'median':>7} {'c':>7} {'samples':>7}"
+        + ("  held-out use" if held_out else ""),
+    ]
+    for name, entry in table.items():
+        precision = Precision(name)
+        unit = number_format(precision).unit_roundoff
+        for quantity, fitted in entry["quantities"].items():
+            exponents = fitted["exponents"]
+            line = (
+                f"{name:<9} {quantity:<9} {unit:>8.2e} {exponents['depth']:>5.2f} "
+                f"{exponents['width']:>5.2f} {exponents['positions']:>5.2f} "
+                f"{exponents['vocabulary']:>5.2f} {fitted['worst_ratio']:>7.3g} "
+                f"{fitted['median_ratio']:>7.3g} {fitted['coefficient']:>7.3g} "
+                f"{fitted['samples']:>7}"
+            )
+            if held_out and precision in held_out:
+                line += f"  {held_out[precision][Quantity(quantity)]:.2f}"
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def write_table(path: Path, table: dict[str, Any], command: str) -> None:
+    """Replace the committed table atomically."""
+    import json
+
+    from conformance.files import write_atomically
+
+    write_atomically(path, json.dumps(table_document(table, command), indent=2) + "\n")
