@@ -22,7 +22,7 @@ from conformance.adapter import Backend, Refusal, call_build_seeded, call_initia
 from conformance.guard import adapter_location
 from spec.config import FIXTURE, DecoderConfig
 from spec.errors import ErrorKind
-from spec.formats import Precision, accepted_dtypes, round_to
+from spec.formats import Precision, accepted_dtypes, number_format, round_to
 from spec.parameters import parameter_layout, parameter_names
 from spec.recipe import GOLDEN_GAMMA, SplitMix64, initial_parameters
 from spec.rules import Capability
@@ -254,6 +254,7 @@ def _check_parameters(
         )
         return
     drifted = []
+    formats_held = set(Precision)
     for (name, value), (_, shape), (_, original) in zip(
         listed, parameter_layout(config), given, strict=True
     ):
@@ -264,11 +265,20 @@ def _check_parameters(
         rounded = _stored(original, Precision(checker.backend.precision))
         if not (np.array_equal(held, original) or np.array_equal(held, rounded)):
             drifted.append(name)
+        formats_held &= {p for p in Precision if np.array_equal(held, _stored(original, p))}
     if drifted:
         named = ", ".join(drifted[:3]) + (" and others" if len(drifted) > 3 else "")
+        # Values rounded to another format than the declared one are a false declaration.
+        held_in = sorted(formats_held, key=lambda p: -number_format(p).unit_roundoff)
+        telling = (
+            f" (they are the values rounded to {held_in[0]}: declare {held_in[0]}, or hold "
+            f"{checker.backend.precision})"
+            if held_in
+            else ""
+        )
         checker.flag(
             "parameters",
-            f"{named} do not round-trip: "
+            f"{named} do not round-trip{telling}: "
             "return the values build received (or them rounded to the declared precision), "
             "in the spec's [in, out] layout",
             "REBUILD-ROUNDTRIP",

@@ -110,3 +110,13 @@ def test_float16_arrays_declared_float32_break_the_contract() -> None:
         "has dtype float16, but the backend declares float32; return float32 or float64" in m
         for m in messages
     ), messages
+
+
+def test_parameters_held_in_another_format_name_it() -> None:
+    from conformance.tools.mutants.precision import Float16WorkDeclaredFloat32
+
+    messages = [str(violation) for violation in check_contract(Float16WorkDeclaredFloat32())]
+    assert any(
+        "(they are the values rounded to float16: declare float16, or hold float32)" in m
+        for m in messages
+    ), messages
