@@ -11,16 +11,8 @@ from __future__ import annotations
 
 import numpy.typing as npt
 
-from conformance import __version__
-from conformance.adapter import (
-    BackendBase,
-    Capability,
-    FloatArray,
-    ForwardOutput,
-    LossOutput,
-    Parameters,
-)
-from conformance.adapters.reference import refusals
+from conformance.adapter import FloatArray, ForwardOutput, LossOutput, Parameters
+from conformance.adapters.reference import ReferenceBackend, refusals
 from impl.emulation import EmulatedModel
 from impl.model import DecoderModel
 from spec.config import DecoderConfig
@@ -30,37 +22,33 @@ from spec.recipe import SplitMix64
 __all__ = ["EmulatedBackend", "EmulatedBfloat16", "EmulatedFloat16", "EmulatedFloat32"]
 
 
-class EmulatedBackend(BackendBase):
-    """Every capability, in the precision a subclass declares."""
+class EmulatedBackend(ReferenceBackend):
+    """Every capability, in the precision a subclass declares: the reference's model is
+    built (its validation and refusals), then held and run in that precision."""
 
     name = "emulated"
-    version = __version__
     precision = Precision.FLOAT32
-    capabilities = frozenset(Capability)
     # A variant (a precision mutant) swaps the model class or computes in another format
     # than it declares.
-    model_class: type[EmulatedModel] = EmulatedModel
+    emulation_class: type[EmulatedModel] = EmulatedModel
     arithmetic: Precision | None = None
 
     def _wrap(self, reference: DecoderModel) -> EmulatedModel:
-        return self.model_class(reference, self.arithmetic or self.precision)
+        return self.emulation_class(reference, self.arithmetic or self.precision)
 
-    def build(self, config: DecoderConfig, parameters: Parameters) -> EmulatedModel:
-        with refusals():
-            return self._wrap(DecoderModel.from_parameters(config, parameters))
+    def build(self, config: DecoderConfig, parameters: Parameters) -> EmulatedModel:  # type: ignore[override]
+        return self._wrap(super().build(config, parameters))
 
-    def build_seeded(self, config: DecoderConfig, seed: int) -> EmulatedModel:
-        with refusals():
-            return self._wrap(DecoderModel.from_seed(config, seed))
+    def build_seeded(self, config: DecoderConfig, seed: int) -> EmulatedModel:  # type: ignore[override]
+        return self._wrap(super().build_seeded(config, seed))
 
-    def initialize(self, config: DecoderConfig, stream: SplitMix64) -> EmulatedModel:
-        with refusals():
-            return self._wrap(DecoderModel.initialize(config, stream))
+    def initialize(self, config: DecoderConfig, stream: SplitMix64) -> EmulatedModel:  # type: ignore[override]
+        return self._wrap(super().initialize(config, stream))
 
-    def parameters(self, model: EmulatedModel) -> list[tuple[str, FloatArray]]:
+    def parameters(self, model: EmulatedModel) -> list[tuple[str, FloatArray]]:  # type: ignore[override]
         return [(name, leaf.value.copy()) for name, leaf in model.leaves.items()]
 
-    def forward(
+    def forward(  # type: ignore[override]
         self, model: EmulatedModel, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
     ) -> ForwardOutput:
         with refusals():
@@ -70,7 +58,7 @@ class EmulatedBackend(BackendBase):
             stages=[(name, stage.value.copy()) for name, stage in result.stages],
         )
 
-    def loss(
+    def loss(  # type: ignore[override]
         self,
         model: EmulatedModel,
         tokens: npt.ArrayLike,

@@ -50,7 +50,7 @@ class RopeTablesInBfloat16(EmulatedBackend):
     """
 
     precision = Precision.FLOAT32
-    model_class = _TablesInBfloat16
+    emulation_class = _TablesInBfloat16
 
 
 class _SoftmaxInFloat16(EmulatedModel):
@@ -63,7 +63,7 @@ class SoftmaxAccumulatedInFloat16(EmulatedBackend):
     """Attention scores and softmax computed in float16 in a float32 backend (llama.cpp#10015)."""
 
     precision = Precision.FLOAT32
-    model_class = _SoftmaxInFloat16
+    emulation_class = _SoftmaxInFloat16
 
 
 class _NormalizedInBfloat16(EmulatedModel):
@@ -79,7 +79,7 @@ class RmsNormCastBeforeTheGain(EmulatedBackend):
     """
 
     precision = Precision.FLOAT32
-    model_class = _NormalizedInBfloat16
+    emulation_class = _NormalizedInBfloat16
 
 
 class _Float32Accumulation(Arithmetic):
@@ -96,4 +96,4 @@ class Float32AccumulationInFloat64(EmulatedBackend):
     """Matrix products accumulated in float32 in a backend that declares float64."""
 
     precision = Precision.FLOAT64
-    model_class = _Float32Products
+    emulation_class = _Float32Products
