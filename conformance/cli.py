@@ -691,6 +691,7 @@ def _derive_tolerances(options: argparse.Namespace) -> str:
             "safety": derivation.SAFETY,
             "quantities": fitted,
             "derivation": derivation.derivation_text(precision, fitted, count),
+            "cases": derivation.calibrated_cases(precision),
         }
         table[str(precision)] = entry
         use[precision] = derivation.held_out_use(held_out, model_from_entry(precision, entry))

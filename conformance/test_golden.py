@@ -58,7 +58,7 @@ def test_values_match_the_golden_case(
 ) -> None:
     """Stages are compared in order, so a failure names the first stage that deviates."""
     case, record, check, source = _setup(judge, name, "backend.forward(model, tokens)")
-    bound = tolerance.at(case.config, len(case.tokens[0]))
+    bound = tolerance.at(case.config, len(case.tokens[0]), case=f"golden:{name}")
     scales = _scales(case, record)
     model = backend.build(case.config, case.parameters())
     output = backend.forward(model, case.tokens)
@@ -93,7 +93,7 @@ def test_gradients_match_the_golden_case(
 ) -> None:
     call = "backend.loss(model, tokens, targets).gradients"
     case, record, check, source = _setup(judge, name, call)
-    bound = tolerance.at(case.config, len(case.tokens[0])).gradients
+    bound = tolerance.at(case.config, len(case.tokens[0]), case=f"golden:{name}").gradients
     scales = _scales(case, record)
     model = backend.build(case.config, case.parameters())
     got = backend.loss(model, case.tokens, case.targets).gradients or {}

@@ -169,7 +169,7 @@ def test_seed_fixture_published_numbers(
     backend: Backend, judge: Judge, tolerance: ToleranceModel
 ) -> None:
     config = FIXTURE.config
-    bound = tolerance.at(config, len(FIXTURE.tokens[0]))
+    bound = tolerance.at(config, len(FIXTURE.tokens[0]), case="golden:seed-fixture")
     model = backend.build(config, initial_parameters(config, FIXTURE.seed))
     check = judge.on(Case(config, FIXTURE.seed, FIXTURE.tokens, FIXTURE.targets))
     output = backend.forward(model, FIXTURE.tokens)
@@ -293,6 +293,6 @@ def test_long_sequences_match_the_oracle_at_sampled_rows(
     )
     check.finite("logits", logits)
     exact = to_float64(oracle_rows(LONG_CONFIG, parameters, tokens[0], LONG_ROWS))
-    bound = tolerance.at(LONG_CONFIG, LONG_CONFIG.context).logits
+    bound = tolerance.at(LONG_CONFIG, LONG_CONFIG.context, case="long-context").logits
     for row, expected in zip(LONG_ROWS, exact, strict=True):
         check.close(f"logits row {row}", np.asarray(logits)[0, row], expected, bound)

@@ -2,10 +2,11 @@
 
 Each is :class:`conformance.adapters.emulated.EmulatedBackend` (every operation rounded to
 the declared format) wrong in one place, at the precision where the mistake is a bug: a
-float32 backend that rounds one step to a 16-bit format, or a float64 backend that
-accumulates in float32. The derived tolerances of the declared precision reject each at
-``ci``; the emulation is otherwise the instrument those tolerances were derived with, so
-only the mistake can move it past them.
+float32 backend that rounds one step to a 16-bit format, a bfloat16 backend that computes
+RoPE's positions in bfloat16, or a float64 backend that accumulates in float32. The
+derived tolerances of the declared precision reject each at ``ci``; the emulation is
+otherwise the instrument those tolerances were derived with, so only the mistake can move
+it past them.
 """
 
 from __future__ import annotations
@@ -50,6 +51,18 @@ class RopeTablesInBfloat16(EmulatedBackend):
     """
 
     precision = Precision.FLOAT32
+    emulation_class = _TablesInBfloat16
+
+
+@mutant("VALUE-LONG-CONTEXT")
+class RopeAnglesInBfloat16(EmulatedBackend):
+    """RoPE's positions and angles computed in bfloat16 in a bfloat16 backend.
+
+    The tables are stored in bfloat16 either way; computed there, positions above 256 are
+    no longer integers, which only a long sequence shows (gpt-neox#1003's case).
+    """
+
+    precision = Precision.BFLOAT16
     emulation_class = _TablesInBfloat16
 
 
