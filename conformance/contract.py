@@ -22,7 +22,7 @@ from conformance.adapter import Backend, Refusal, call_build_seeded, call_initia
 from conformance.guard import adapter_location
 from spec.config import FIXTURE, DecoderConfig
 from spec.errors import ErrorKind
-from spec.formats import Precision, accepted_dtypes, number_format, round_to
+from spec.formats import Precision, accepted_dtypes, held_in_format, number_format, round_to
 from spec.parameters import parameter_layout, parameter_names
 from spec.recipe import GOLDEN_GAMMA, SplitMix64, initial_parameters
 from spec.rules import Capability
@@ -139,6 +139,14 @@ class _Checker:
 def _stored(values: np.ndarray[Any, Any], precision: Precision) -> np.ndarray[Any, Any]:
     """How a backend of ``precision`` holds float64 parameters (rounded to its format)."""
     return round_to(values, precision)
+
+
+def _held(held: np.ndarray[Any, Any], original: np.ndarray[Any, Any], precision: Precision) -> bool:
+    """``held`` is ``original`` exactly, or stored in ``precision`` (either rounding)."""
+    return bool(
+        held.shape == original.shape
+        and (np.array_equal(held, original) or np.all(held_in_format(held, original, precision)))
+    )
 
 
 def _check_model(checker: _Checker, config: DecoderConfig, seed: int) -> None:
@@ -262,10 +270,9 @@ def _check_parameters(
         if checked is None:
             continue
         held = checked.astype(np.float64)
-        rounded = _stored(original, Precision(checker.backend.precision))
-        if not (np.array_equal(held, original) or np.array_equal(held, rounded)):
+        if not _held(held, original, Precision(checker.backend.precision)):
             drifted.append(name)
-        formats_held &= {p for p in Precision if np.array_equal(held, _stored(original, p))}
+        formats_held &= {p for p in Precision if _held(held, original, p)}
     if drifted:
         named = ", ".join(drifted[:3]) + (" and others" if len(drifted) > 3 else "")
         # Values rounded to another format than the declared one are a false declaration.
@@ -421,8 +428,7 @@ def _check_initialization(checker: _Checker) -> None:
         listed = checker.call("parameters", lambda: backend.parameters(model), "a seeded model")
         held = [(n, np.asarray(v, dtype=np.float64)) for n, v in listed]
         if [n for n, _ in held] != [n for n, _ in exact] or not all(
-            np.array_equal(got, value) or np.array_equal(got, _stored(value, precision))
-            for (_, got), (_, value) in zip(held, exact, strict=True)
+            _held(got, value, precision) for (_, got), (_, value) in zip(held, exact, strict=True)
         ):
             checker.flag(
                 "build_seeded",

@@ -24,6 +24,7 @@ __all__ = [
     "NumberFormat",
     "Precision",
     "accepted_dtypes",
+    "held_in_format",
     "number_format",
     "representable",
     "round_to",
@@ -48,6 +49,8 @@ class NumberFormat:
     unit_roundoff: float
     smallest_normal: float
     largest: float
+    digits: int  # significand bits, the implicit one included
+    smallest_subnormal: float
 
     def round(self, values: npt.ArrayLike) -> npt.NDArray[np.float64]:
         """``values`` rounded to the nearest number of this format (as float64)."""
@@ -67,6 +70,8 @@ def _format(precision: Precision, dtype: Any) -> NumberFormat:
         unit_roundoff=float(info.eps) / 2,
         smallest_normal=float(info.smallest_normal),
         largest=float(info.max),
+        digits=int(info.nmant) + 1,
+        smallest_subnormal=float(info.smallest_subnormal),
     )
 
 
@@ -100,6 +105,28 @@ def accepted_dtypes(precision: Precision | str) -> tuple[str, ...]:
 def round_to(values: npt.ArrayLike, precision: Precision | str) -> npt.NDArray[np.float64]:
     """How a backend of ``precision`` holds float64 ``values``: rounded to its format."""
     return number_format(precision).round(values)
+
+
+def held_in_format(
+    held: npt.ArrayLike, original: npt.ArrayLike, precision: Precision | str
+) -> npt.NDArray[np.bool_]:
+    """Elementwise: ``held`` is ``original`` stored in the format, rounded either way a
+    backend may round it: to nearest directly, or through float32 first (torch and
+    ml_dtypes convert float64 to the 16-bit formats that way, and a tie can then go the
+    other way). That is, ``held`` is a number of the format and one of the two of the
+    format's numbers around ``original`` (itself where ``original`` is one)."""
+    form = number_format(precision)
+    held_array = np.asarray(held, dtype=np.float64)
+    original_array = np.asarray(original, dtype=np.float64)
+    if form.precision is Precision.FLOAT64:
+        result: npt.NDArray[np.bool_] = held_array == original_array
+        return result
+    _, exponent = np.frexp(original_array)
+    spacing = np.maximum(np.ldexp(1.0, exponent - form.digits), form.smallest_subnormal)
+    with np.errstate(invalid="ignore"):
+        near = np.abs(held_array - original_array) < spacing
+    result = (form.round(held_array) == held_array) & (near | (held_array == original_array))
+    return result
 
 
 def representable(arrays: Iterable[npt.ArrayLike], precision: Precision | str) -> bool:

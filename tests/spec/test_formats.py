@@ -6,7 +6,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from spec.formats import Precision, accepted_dtypes, number_format, representable, round_to
+from spec.formats import (
+    Precision,
+    accepted_dtypes,
+    held_in_format,
+    number_format,
+    representable,
+    round_to,
+)
 
 
 @pytest.mark.parametrize(
@@ -45,3 +52,17 @@ def test_representable() -> None:
 def test_unknown_precision() -> None:
     with pytest.raises(KeyError, match="known: float64, float32, bfloat16, float16"):
         number_format("float8")
+
+
+def test_held_in_format_accepts_either_rounding_and_nothing_else() -> None:
+    original = np.array([0.46997, 1 + 2.0**-11 + 2.0**-40, 3.0, -1e-6])
+    direct = original.astype(np.float16).astype(float)
+    through_float32 = original.astype(np.float32).astype(np.float16).astype(float)
+    assert np.all(held_in_format(direct, original, "float16"))
+    assert np.all(held_in_format(through_float32, original, "float16"))
+    # The other neighbour of 1 + 2^-11 + 2^-40 is 1 + 2^-10; one step further is not.
+    assert held_in_format(np.array([1 + 2.0**-10]), original[1:2], "float16")[0]
+    assert not held_in_format(np.array([1 + 2.0**-9]), original[1:2], "float16")[0]
+    assert not held_in_format(np.array([3.0 + 2.0**-9]), np.array([3.0]), "float16")[0]
+    assert not held_in_format(np.array([0.1]), np.array([0.1]), "float16")[0]  # not a float16
+    assert held_in_format(np.array([0.1]), np.array([0.1]), "float64")[0]
