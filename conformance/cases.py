@@ -16,7 +16,14 @@ from spec.formats import representable
 from spec.strategies import configs, token_batches
 from spec.variants import scenario_parameters
 
-__all__ = ["LargeScales", "Scenario", "large_scales", "scenarios", "suite_configs"]
+__all__ = [
+    "LargeScales",
+    "Scenario",
+    "large_scales",
+    "must_differ",
+    "scenarios",
+    "suite_configs",
+]
 
 IdArray = npt.NDArray[np.int64]
 
@@ -39,6 +46,26 @@ def suite_configs(
     if min_vocabulary > 1:
         return strategy.filter(lambda config: config.vocabulary_size >= min_vocabulary)
     return strategy
+
+
+def must_differ(
+    config: DecoderConfig,
+    before: tuple[list[tuple[str, npt.NDArray[np.float64]]], IdArray],
+    after: tuple[list[tuple[str, npt.NDArray[np.float64]]], IdArray],
+    bound: float,
+) -> npt.NDArray[np.bool_]:
+    """Where the exact logits of two runs (parameters, tokens) differ by more than twice a
+    backend's tolerance: there its logits must differ too. Elsewhere a 16-bit backend may
+    round both to the same number (two vocabulary rows of nearly equal norm in bfloat16)."""
+    from spec.oracle import oracle_forward, to_float64
+
+    exact = [
+        to_float64(oracle_forward(config, parameters, tokens, None, digits=30).logits)
+        for parameters, tokens in (before, after)
+    ]
+    difference = np.abs(exact[1] - exact[0]) / np.maximum(1.0, np.abs(exact[0]))
+    result: npt.NDArray[np.bool_] = difference > 2 * bound
+    return result
 
 
 @dataclass(frozen=True)

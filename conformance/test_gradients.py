@@ -9,6 +9,7 @@ from hypothesis import given
 from conformance.adapter import Backend
 from conformance.cases import Scenario, scenarios
 from conformance.checks import Case, Judge
+from conformance.conditioning import case_bounds
 from conformance.profiles import suite_settings
 from spec.config import FIXTURE
 from spec.gradcheck import central_difference_checks, seed_probe
@@ -55,7 +56,7 @@ def test_gradients_match_the_oracle(
     )
     got = backend.loss(scenario.build(backend), scenario.tokens, scenario.targets).gradients or {}
     check = judge.on(scenario.case("backend.loss(model, tokens, targets).gradients"))
-    bound = tolerance.at(scenario.config, scenario.tokens.shape[1]).gradients
+    bound = case_bounds(tolerance, scenario).gradients
     for name, expected in exact.gradients.items():
         if name not in got:
             check.fail(f"gradient of {name}", "missing", f"shape {list(expected.shape)}")

@@ -10,6 +10,7 @@ from hypothesis import example, given
 from conformance.adapter import Backend, Capability, FloatArray
 from conformance.cases import Scenario, large_scales, scenarios
 from conformance.checks import Case, Judge
+from conformance.conditioning import case_bounds
 from conformance.layouts import ROTATED, from_rotate_half
 from conformance.profiles import suite_settings
 from spec.config import FIXTURE, DecoderConfig
@@ -71,7 +72,7 @@ def test_every_stage_matches_the_oracle(
     """Stages are compared in order, so a failure names the first stage that deviates."""
     if not scenario.representable(backend.precision):
         return
-    bound = tolerance.at(scenario.config, scenario.tokens.shape[1]).stages
+    bound = case_bounds(tolerance, scenario).stages
     got = dict(backend.forward(scenario.build(backend), scenario.tokens).stages or [])
     check = judge.on(scenario.case())
     for name, exact in _oracle(scenario)[0]:
@@ -108,7 +109,7 @@ def test_logits_and_loss_match_the_oracle(
 ) -> None:
     if not scenario.representable(backend.precision):
         return
-    bound = tolerance.at(scenario.config, scenario.tokens.shape[1])
+    bound = case_bounds(tolerance, scenario)
     model = scenario.build(backend)
     _, logits, loss = _oracle(scenario)
     check = judge.on(scenario.case())
@@ -151,7 +152,7 @@ def test_depth_zero_is_normalized_lookup_times_table(
 ) -> None:
     _, logits, _ = _oracle(scenario)
     got = backend.forward(scenario.build(backend), scenario.tokens).logits
-    bound = tolerance.at(scenario.config, scenario.tokens.shape[1]).logits
+    bound = case_bounds(tolerance, scenario).logits
     judge.on(scenario.case()).close("RMSNorm(E[z]) E^T", got, logits, bound)
 
 
@@ -216,7 +217,7 @@ def test_large_logits_keep_the_loss_finite_and_exact(
 ) -> None:
     """A final gain of 1000 (``spec.variants``, variant ``large``) puts the logits in the
     thousands, where exp overflows unless the row maximum is subtracted first."""
-    bound = tolerance.at(scenario.config, scenario.tokens.shape[1])
+    bound = case_bounds(tolerance, scenario)
     model = scenario.build(backend)
     stages, logits, loss = _oracle(scenario)
     # Each logit is a sum of terms in the thousands that may cancel to a small value, and a

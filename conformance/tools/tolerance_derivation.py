@@ -45,9 +45,11 @@ __all__ = [
     "SAFETY",
     "Measurement",
     "derivation_cases",
+    "emulation_errors",
     "fit",
     "measure",
     "render_derivation",
+    "rounded_parameter_errors",
     "table_document",
 ]
 
@@ -250,8 +252,8 @@ CALIBRATION_SEEDS = 8
 CASE_SAFETY = 6.0
 
 
-def _emulated_error(
-    case: DerivationCase, precision: Precision, rows: tuple[int, ...] | None
+def emulation_errors(
+    case: DerivationCase, precision: Precision, rows: tuple[int, ...] | None = None
 ) -> dict[Quantity, float]:
     """The emulation's errors against the float64 reference on one case (with ``rows``: the
     logits of those rows only, forward only)."""
@@ -265,6 +267,15 @@ def _emulated_error(
     errors = dict.fromkeys(Quantity, 0.0)
     errors[Quantity.LOGITS] = float(np.max(scaled_error(got, exact)))
     return errors
+
+
+def rounded_parameter_errors(case: DerivationCase, precision: Precision) -> dict[Quantity, float]:
+    """What rounding the parameters to ``precision`` alone does: the float64 reference over
+    the rounded parameters, against the float64 reference over the given ones."""
+    parameters = scenario_parameters(case.config, case.seed, case.variant)
+    exact = _reference_run(DecoderModel.from_parameters(case.config, parameters), case)
+    rounded = [(name, number_format(precision).round(value)) for name, value in parameters]
+    return _errors(_reference_run(DecoderModel.from_parameters(case.config, rounded), case), exact)
 
 
 def calibrated_cases(precision: Precision) -> dict[str, dict[str, float]]:
@@ -303,7 +314,7 @@ def calibrated_cases(precision: Precision) -> dict[str, dict[str, float]]:
         worst = dict.fromkeys(Quantity, 0.0)
         for offset in range(CALIBRATION_SEEDS):
             seeded = dataclasses.replace(case, seed=(case.seed + offset) % 2**64)
-            worst = _larger(worst, _emulated_error(seeded, precision, rows))
+            worst = _larger(worst, emulation_errors(seeded, precision, rows))
         quantities = [Quantity.LOGITS] if rows is not None else list(Quantity)
         # A few roundings at least, should every seed happen to round kindly.
         floor = CASE_SAFETY * 4 * unit
