@@ -5,22 +5,21 @@ uses each format's unit roundoff ``u`` (half the distance from 1 to the next num
 scale its tolerances, its range to decide which inputs a format can hold at all (a
 float16 model cannot store an embedding table of size 1e-15), and :func:`round_to` to know
 how a backend of that precision holds the float64 parameters it is given. bfloat16 comes
-from ``ml_dtypes``, the dtype library JAX and TensorFlow use.
+from ``ml_dtypes``, the dtype library JAX and TensorFlow use, imported when first needed.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
-    "FORMATS",
     "NumberFormat",
     "Precision",
     "accepted_dtypes",
@@ -62,8 +61,17 @@ class NumberFormat:
         return rounded
 
 
-def _format(precision: Precision, dtype: Any) -> NumberFormat:
-    info = ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
+def _format(precision: Precision) -> NumberFormat:
+    if precision is Precision.BFLOAT16:
+        # Imported only when asked for: ml_dtypes takes about 0.6 s to import, which every
+        # backend process and command would otherwise pay at startup.
+        import ml_dtypes
+
+        dtype: Any = ml_dtypes.bfloat16
+        info: Any = ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
+    else:
+        dtype = np.dtype(str(precision))
+        info = np.finfo(dtype)
     return NumberFormat(
         precision=precision,
         dtype=np.dtype(dtype),
@@ -75,18 +83,15 @@ def _format(precision: Precision, dtype: Any) -> NumberFormat:
     )
 
 
-FORMATS: dict[Precision, NumberFormat] = {
-    Precision.FLOAT64: _format(Precision.FLOAT64, np.float64),
-    Precision.FLOAT32: _format(Precision.FLOAT32, np.float32),
-    Precision.BFLOAT16: _format(Precision.BFLOAT16, ml_dtypes.bfloat16),
-    Precision.FLOAT16: _format(Precision.FLOAT16, np.float16),
-}
+@functools.cache
+def _cached_format(precision: Precision) -> NumberFormat:
+    return _format(precision)
 
 
 def number_format(precision: Precision | str) -> NumberFormat:
     """The format of a declared precision; a ``KeyError`` names the known ones."""
     try:
-        return FORMATS[Precision(precision)]
+        return _cached_format(Precision(precision))
     except ValueError:
         known = ", ".join(str(p) for p in Precision)
         raise KeyError(f"no number format for precision {precision!r}; known: {known}") from None
