@@ -41,15 +41,25 @@ class Precision(StrEnum):
 
 @dataclass(frozen=True)
 class NumberFormat:
-    """One floating-point format: its numpy dtype and the limits the suite relies on."""
+    """One floating-point format: the limits the suite relies on, and its numpy dtype."""
 
     precision: Precision
-    dtype: np.dtype[Any]
     unit_roundoff: float
     smallest_normal: float
     largest: float
     digits: int  # significand bits, the implicit one included
     smallest_subnormal: float
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The numpy dtype; bfloat16's comes from ml_dtypes, imported only here, since its
+        extension takes up to a second to load and most processes never round to it."""
+        if self.precision is Precision.BFLOAT16:
+            import ml_dtypes
+
+            bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+            return bfloat16
+        return np.dtype(str(self.precision))
 
     def round(self, values: npt.ArrayLike) -> npt.NDArray[np.float64]:
         """``values`` rounded to the nearest number of this format (as float64)."""
@@ -63,18 +73,18 @@ class NumberFormat:
 
 def _format(precision: Precision) -> NumberFormat:
     if precision is Precision.BFLOAT16:
-        # Imported only when asked for: ml_dtypes takes about 0.6 s to import, which every
-        # backend process and command would otherwise pay at startup.
-        import ml_dtypes
-
-        dtype: Any = ml_dtypes.bfloat16
-        info: Any = ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
-    else:
-        dtype = np.dtype(str(precision))
-        info = np.finfo(dtype)
+        # bfloat16 is float32's exponent with 8 significand bits (7 stored).
+        return NumberFormat(
+            precision=precision,
+            unit_roundoff=2.0**-8,
+            smallest_normal=2.0**-126,
+            largest=(2 - 2.0**-7) * 2.0**127,
+            digits=8,
+            smallest_subnormal=2.0**-133,
+        )
+    info = np.finfo(np.dtype(str(precision)))
     return NumberFormat(
         precision=precision,
-        dtype=np.dtype(dtype),
         unit_roundoff=float(info.eps) / 2,
         smallest_normal=float(info.smallest_normal),
         largest=float(info.max),

@@ -66,3 +66,12 @@ def test_held_in_format_accepts_either_rounding_and_nothing_else() -> None:
     assert not held_in_format(np.array([3.0 + 2.0**-9]), np.array([3.0]), "float16")[0]
     assert not held_in_format(np.array([0.1]), np.array([0.1]), "float16")[0]  # not a float16
     assert held_in_format(np.array([0.1]), np.array([0.1]), "float64")[0]
+
+
+def test_bfloat16_facts_agree_with_ml_dtypes() -> None:
+    form, info = number_format("bfloat16"), ml_dtypes.finfo(ml_dtypes.bfloat16)
+    assert form.unit_roundoff == float(info.eps) / 2
+    assert form.smallest_normal == float(info.smallest_normal)
+    assert form.largest == float(info.max)
+    assert form.digits == int(info.nmant) + 1
+    assert form.smallest_subnormal == float(info.smallest_subnormal)
