@@ -162,11 +162,18 @@ def test_an_interrupted_run_leaves_the_old_reports_untouched(tmp_path: Path) -> 
     json_path, markdown_path = tmp_path / "a.json", tmp_path / "a.md"
     json_path.write_text("old json\n")
     markdown_path.write_text("old markdown\n")
-    run = subprocess.Popen(
-        [sys.executable, "-m", "conformance.cli", "run", "--profile", "default",
-         "--json", str(json_path), "--markdown", str(markdown_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    # A test run started in the background (`cmd &`) has SIGINT ignored, which a child
+    # would inherit across exec; a handler is not inherited, so the command meets the
+    # default disposition a terminal's Ctrl-C does.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "conformance.cli", "run", "--profile", "default",
+             "--json", str(json_path), "--markdown", str(markdown_path)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert run.stdout is not None
     for line in run.stdout:
         if "checking" in line:
