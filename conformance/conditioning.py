@@ -20,11 +20,7 @@ float32: 1.4e-4 against 3.3e-5).
 from __future__ import annotations
 
 from conformance.cases import Scenario
-from conformance.tools.tolerance_derivation import (
-    DerivationCase,
-    emulation_errors,
-    rounded_parameter_errors,
-)
+from conformance.tools.tolerance_derivation import DerivationCase, conditioning_errors
 from spec.formats import Precision
 from spec.tolerances import Quantity, Tolerance, ToleranceModel
 
@@ -42,8 +38,7 @@ def case_bounds(model: ToleranceModel, scenario: Scenario) -> Tolerance:
     case = DerivationCase(
         scenario.config, scenario.seed, scenario.variant, scenario.tokens, scenario.targets
     )
-    emulated = emulation_errors(case, precision)
-    rounded = rounded_parameter_errors(case, precision)
+    emulated, rounded = conditioning_errors(case, precision)
     widened = {
         quantity: max(
             getattr(general, str(quantity)),

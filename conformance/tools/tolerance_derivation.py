@@ -44,12 +44,12 @@ from spec.variants import scenario_parameters
 __all__ = [
     "SAFETY",
     "Measurement",
+    "conditioning_errors",
     "derivation_cases",
     "emulation_errors",
     "fit",
     "measure",
     "render_derivation",
-    "rounded_parameter_errors",
     "table_document",
 ]
 
@@ -269,13 +269,21 @@ def emulation_errors(
     return errors
 
 
-def rounded_parameter_errors(case: DerivationCase, precision: Precision) -> dict[Quantity, float]:
-    """What rounding the parameters to ``precision`` alone does: the float64 reference over
-    the rounded parameters, against the float64 reference over the given ones."""
+def conditioning_errors(
+    case: DerivationCase, precision: Precision
+) -> tuple[dict[Quantity, float], dict[Quantity, float]]:
+    """A case's conditioning at ``precision``, both against one float64 reference run: the
+    emulation's errors, and what rounding the parameters to the format does alone (the
+    float64 reference over the rounded parameters)."""
     parameters = scenario_parameters(case.config, case.seed, case.variant)
-    exact = _reference_run(DecoderModel.from_parameters(case.config, parameters), case)
+    reference = DecoderModel.from_parameters(case.config, parameters)
+    exact = _reference_run(reference, case)
+    emulated = _errors(_emulated_run(reference, case, precision), exact)
     rounded = [(name, number_format(precision).round(value)) for name, value in parameters]
-    return _errors(_reference_run(DecoderModel.from_parameters(case.config, rounded), case), exact)
+    rounding = _errors(
+        _reference_run(DecoderModel.from_parameters(case.config, rounded), case), exact
+    )
+    return emulated, rounding
 
 
 def calibrated_cases(precision: Precision) -> dict[str, dict[str, float]]:
