@@ -18,6 +18,7 @@ import sys
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import ModuleType
@@ -39,11 +40,13 @@ __all__ = [
     "BackendLoadError",
     "BackendOptions",
     "Capability",
+    "Departure",
     "ForwardOutput",
     "LossOutput",
     "Refusal",
     "call_build_seeded",
     "call_initialize",
+    "declared_departures",
     "describe",
     "load_backend",
     "where",
@@ -53,6 +56,22 @@ ENTRY_POINT_GROUP = "decoder_conformance.adapters"
 
 FloatArray = npt.NDArray[np.float64]
 Parameters = Sequence[tuple[str, FloatArray]]
+
+
+class Departure(StrEnum):
+    """A known way an engine differs from the seed that its adapter cannot work around.
+
+    A backend declares it in ``departures`` (optional; none by default). The rules whose
+    subject it is still run it, and fail with the engine's own message; every other rule
+    draws its cases from what the engine can do, so one departure does not mask the rest.
+    """
+
+    NO_DEPTH_ZERO = "no-depth-zero"  # a model with no blocks cannot be built (llama.cpp aborts)
+
+
+def declared_departures(backend: object) -> frozenset[Departure]:
+    """The departures a backend declares (an adapter without the attribute declares none)."""
+    return frozenset(Departure(d) for d in getattr(backend, "departures", ()))
 
 
 class Refusal(Exception):
@@ -144,6 +163,7 @@ class BackendBase:
     version = "0"
     precision = Precision.FLOAT64
     capabilities: frozenset[Capability] = frozenset()
+    departures: frozenset[Departure] = frozenset()
 
     def build_seeded(self, config: DecoderConfig, seed: int) -> Any:
         """Not supported unless the backend declares SEEDED_INIT."""

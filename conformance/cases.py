@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from hypothesis import reject
 from hypothesis import strategies as st
 
-from conformance.adapter import Backend
+from conformance.adapter import Backend, Departure, declared_departures
 from conformance.checks import Case
 from spec.config import DecoderConfig
 from spec.formats import representable
@@ -114,9 +115,24 @@ class Scenario:
         cannot hold the ``tiny`` variant's table of scale 1e-15: the rules skip it there)."""
         return representable((value for _, value in self.parameters()), precision)
 
-    def build(self, backend: Backend) -> Any:
-        """The backend's model over this scenario's parameters."""
+    def departs(self, backend: Backend) -> bool:
+        """Whether this scenario needs what the backend declares it cannot do."""
+        departures = declared_departures(backend)
+        return Departure.NO_DEPTH_ZERO in departures and self.config.layers == 0
+
+    def build(self, backend: Backend, *, exercise_departures: bool = False) -> Any:
+        """The backend's model over this scenario's parameters. A scenario the backend
+        declares a departure for is rejected (hypothesis draws another), unless the rule is
+        about that departure and exercises it."""
+        if not exercise_departures:
+            self.reject_departures(backend)
         return backend.build(self.config, self.parameters())
+
+    def reject_departures(self, backend: Backend) -> None:
+        """Have hypothesis draw another scenario where this one needs what the backend
+        declares it cannot do (for rules that build their models themselves)."""
+        if self.departs(backend):
+            reject()
 
     def case(self, call: str = "backend.forward(model, tokens)", **notes: Any) -> Case:
         """The reproduction of a check made on this scenario."""

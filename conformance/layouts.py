@@ -26,6 +26,7 @@ from spec.config import DecoderConfig
 from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME, parameter_layout
 
 __all__ = [
+    "GGUF_LLAMA",
     "HF_LLAMA",
     "META_LLAMA",
     "ROTATED",
@@ -167,6 +168,29 @@ META_LLAMA = Convention(
         "ffn.gate.weight": "feed_forward.w1.weight",
         "ffn.up.weight": "feed_forward.w3.weight",
         "ffn.down.weight": "feed_forward.w2.weight",
+    },
+    out_in=True,
+    rotate_half=False,
+)
+
+# llama.cpp's GGUF names. Matrices are written [out, in] (numpy order; GGUF stores the
+# dimensions reversed); its llama graph rotates interleaved pairs, as the spec does. A model
+# without ``output.weight`` uses ``token_embd.weight`` as its head: the tie.
+GGUF_LLAMA = Convention(
+    name="gguf-llama",
+    table="token_embd.weight",
+    final_gain="output_norm.weight",
+    block_prefix="blk.{layer}.",
+    block={
+        "attention_norm.gain": "attn_norm.weight",
+        "attention.query.weight": "attn_q.weight",
+        "attention.key.weight": "attn_k.weight",
+        "attention.value.weight": "attn_v.weight",
+        "attention.output.weight": "attn_output.weight",
+        "ffn_norm.gain": "ffn_norm.weight",
+        "ffn.gate.weight": "ffn_gate.weight",
+        "ffn.up.weight": "ffn_up.weight",
+        "ffn.down.weight": "ffn_down.weight",
     },
     out_in=True,
     rotate_half=False,

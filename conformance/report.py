@@ -5,6 +5,7 @@ JSON schema (``schema_version`` 2)::
     {
       "schema": "decoder-conformance-report", "schema_version": 2,
       "backend": str, "backend_version": str, "precision": str, "capabilities": [str],
+      "departures": [str],
       "suite_version": str, "profile": str, "examples": int, "seed": int | null,
       "environment": {"python": str, "numpy": str, "hypothesis": str, "pytest": str,
                       "platform": str},
@@ -115,6 +116,7 @@ class SuiteIdentity:
     examples: int = 0
     seed: int | None = None
     environment: dict[str, str] = field(default_factory=dict)
+    departures: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -242,6 +244,12 @@ def render_table(tally: RuleTally, identity: SuiteIdentity) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _departures_clause(identity: SuiteIdentity) -> str:
+    if not identity.departures:
+        return ""
+    return f"declared departures: {', '.join(identity.departures)}; "
+
+
 def _document(
     tally: RuleTally, identity: SuiteIdentity, contract: list[str] | None
 ) -> dict[str, Any]:
@@ -252,6 +260,7 @@ def _document(
         "backend_version": identity.backend_version,
         "precision": identity.precision,
         "capabilities": identity.capabilities,
+        "departures": identity.departures,
         "suite_version": identity.suite_version,
         "profile": identity.profile,
         "examples": identity.examples,
@@ -301,6 +310,7 @@ def render_markdown(
         "",
         f"Precision {identity.precision}; "
         f"capabilities: {', '.join(identity.capabilities) or 'none'}; "
+        f"{_departures_clause(identity)}"
         f"suite {identity.suite_version}; profile {identity.profile} "
         f"({identity.examples} examples a property, {seed}).",
         "",
@@ -387,6 +397,7 @@ class Report:
                 examples=int(document["examples"]),
                 seed=None if document["seed"] is None else int(document["seed"]),
                 environment={str(k): str(v) for k, v in document["environment"].items()},
+                departures=[str(d) for d in document.get("departures", [])],
             )
             rules = [
                 RuleResult(

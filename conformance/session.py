@@ -22,7 +22,13 @@ from typing import Any, NoReturn
 import pytest
 
 from conformance import __version__
-from conformance.adapter import Backend, BackendLoadError, BackendOptions, load_backend
+from conformance.adapter import (
+    Backend,
+    BackendLoadError,
+    BackendOptions,
+    declared_departures,
+    load_backend,
+)
 from conformance.coverage import PROPERTY as COVERAGE_PROPERTY
 from conformance.coverage import RECORDER as COVERAGE_RECORDER
 from conformance.coverage import render_coverage
@@ -188,6 +194,7 @@ class SuiteSession:
             backend_version=str(backend.version),
             precision=str(backend.precision),
             capabilities=sorted(str(c) for c in backend.capabilities),
+            departures=sorted(str(d) for d in declared_departures(backend)),
             suite_version=__version__,
             profile=selection.name,
             examples=selection.examples,
@@ -282,6 +289,11 @@ class SuiteSession:
             f"a property, {seed}; adapter contract: {contract}"
         )
         terminal.write_line(f"capabilities: {', '.join(identity.capabilities) or 'none'}")
+        if identity.departures:
+            terminal.write_line(
+                f"declared departures from the seed: {', '.join(identity.departures)} "
+                "(the rules about them still run them)"
+            )
         for entry in self.contract or []:
             terminal.write_line(f"  contract: {terminal_safe(entry['line'])}")
 

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from conformance.adapter import Refusal
+from conformance.adapter import Backend, Refusal
 from conformance.adapters.reference import ReferenceBackend
 from conformance.protocol import (
     PROTOCOL_NAME,
@@ -40,10 +40,14 @@ MAX_REQUEST_BYTES = 1 << 30  # far above any request the suite sends at its size
 
 
 class Server:
-    """Answers protocol requests with the reference backend, one model handle per build."""
+    """Answers protocol requests with a backend (the reference unless given), one model
+    handle per build. ``hello`` names it ``backend.name + name_suffix``."""
 
-    def __init__(self) -> None:
-        self.backend = ReferenceBackend()
+    def __init__(
+        self, backend: Backend | None = None, *, name_suffix: str = "-over-subprocess"
+    ) -> None:
+        self.backend: Any = ReferenceBackend() if backend is None else backend
+        self.name_suffix = name_suffix
         self.models: dict[int, Any] = {}
         self.operations: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "hello": self.hello,
@@ -124,10 +128,11 @@ class Server:
         return {
             "protocol": PROTOCOL_NAME,
             "version": PROTOCOL_VERSION,
-            "backend": f"{backend.name}-over-subprocess",
+            "backend": f"{backend.name}{self.name_suffix}",
             "backend_version": backend.version,
             "precision": str(backend.precision),
             "capabilities": sorted(str(c) for c in backend.capabilities),
+            "departures": sorted(str(d) for d in getattr(backend, "departures", ())),
         }
 
     def build(self, request: dict[str, Any]) -> dict[str, Any]:

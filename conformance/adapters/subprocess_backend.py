@@ -28,6 +28,7 @@ from conformance.adapter import (
     BackendLoadError,
     BackendOptions,
     Capability,
+    Departure,
     FloatArray,
     ForwardOutput,
     LossOutput,
@@ -133,6 +134,10 @@ class SubprocessBackend(BackendBase):
             self.version = printable(version, one_line=True)
             self.precision = Precision(hello["precision"])
             self.capabilities = frozenset(Capability(c) for c in capabilities)
+            departures = hello.get("departures", [])
+            if not isinstance(departures, list):
+                raise TypeError("departures must be a list")
+            self.departures = frozenset(Departure(d) for d in departures)
         except (KeyError, ValueError, TypeError) as error:
             raise BackendLoadError(
                 f"backend's hello is incomplete or invalid ({error}): "
