@@ -77,6 +77,12 @@ def _add_run_commands(commands: Any) -> None:
         "--repro-dir", metavar="DIR", help="write a reproduction script per failed rule here"
     )
     run.add_argument("--xfails-file", metavar="FILE", help="expected failures of this backend")
+    run.add_argument(
+        "--known-failures",
+        action="store_true",
+        help="list the failures the adapter ships (conformance/known_failures/ADAPTER.txt, each "
+        "with its reason) as expected; every other rule must pass",
+    )
     run.add_argument("--skips-file", metavar="FILE", help="tests not to run (they crash or hang)")
     run.add_argument(
         "--no-contract-check",
@@ -225,6 +231,34 @@ def _add_suite_commands(commands: Any) -> None:
         "--workers", type=_positive_int, default=2, help="mutants judged at once (2)"
     )
     mutants.add_argument("--no-controls", action="store_true", help="skip the correct controls")
+    matrix = commands.add_parser(
+        "matrix",
+        help="run every shipped adapter and write the compliance matrix (Markdown, HTML)",
+        description=(
+            "Run the suite against each adapter in turn, with the known failures it ships, "
+            "and print a table of rules by backends. Exit status 0 only when no rule failed "
+            "unexpectedly (and, with --check, the recorded matrix still holds)."
+        ),
+    )
+    matrix.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="an adapter to include (repeatable; default: every shipped adapter)",
+    )
+    matrix.add_argument(
+        "--profile", choices=("ci", "default", "thorough"), default="ci", help="profile (ci)"
+    )
+    matrix.add_argument("--markdown", metavar="FILE", help="write the matrix as Markdown")
+    matrix.add_argument("--html", metavar="FILE", help="write the matrix as an HTML page")
+    matrix.add_argument(
+        "--readme", metavar="FILE", help="replace the matrix section of FILE (between markers)"
+    )
+    matrix.add_argument(
+        "--check", metavar="FILE", help="exit 1 where this run's statuses differ from FILE's"
+    )
+    matrix.add_argument("--json-dir", metavar="DIR", help="keep each adapter's JSON report here")
 
 
 def _id_rows(option: str, text: str) -> list[list[int]]:
@@ -538,7 +572,9 @@ def _run_suite(options: argparse.Namespace) -> str:
     from importlib.util import find_spec
     from pathlib import Path
 
+    from conformance.known_failures import known_failures_file
     from conformance.runner import run_suite
+    from conformance.session import DEFAULT_ADAPTER, ENVIRONMENT_VARIABLE
 
     if options.workers and find_spec("xdist") is None:
         raise CommandLineError(
@@ -563,6 +599,17 @@ def _run_suite(options: argparse.Namespace) -> str:
         and not Path(options.repro_dir).is_dir()
     ):
         raise CommandLineError(f"{PROGRAM} run: --repro-dir {options.repro_dir} is not a folder")
+    if options.known_failures:
+        if options.xfails_file:
+            raise CommandLineError(
+                f"{PROGRAM} run: --known-failures and --xfails-file both list expected "
+                "failures; give one"
+            )
+        try:
+            adapter = options.adapter or os.environ.get(ENVIRONMENT_VARIABLE) or DEFAULT_ADAPTER
+            options.xfails_file = str(known_failures_file(adapter))
+        except LookupError as error:
+            raise CommandLineError(f"{PROGRAM} run: --known-failures: {error}") from None
     for flag, listed in (
         ("--xfails-file", options.xfails_file),
         ("--skips-file", options.skips_file),
@@ -786,8 +833,70 @@ def _run_mutants(options: argparse.Namespace) -> str:
     return ""
 
 
+def _run_matrix(options: argparse.Namespace) -> str:
+    from pathlib import Path
+
+    from conformance.tools.matrix import (
+        DEFAULT_ADAPTERS,
+        MatrixError,
+        check_statuses,
+        read_statuses,
+        run_matrix,
+        write_outputs,
+    )
+
+    commands = dict(DEFAULT_ADAPTERS)
+    adapters = [(name, commands.get(name)) for name in options.adapter] or list(DEFAULT_ADAPTERS)
+    for flag in ("markdown", "html"):
+        if getattr(options, flag):
+            _writable_file("matrix", f"--{flag}", getattr(options, flag))
+    for flag in ("readme", "check"):
+        target = getattr(options, flag)
+        if target:
+            _text_file("matrix", f"--{flag}", target)
+            try:
+                read_statuses(Path(target).read_text(encoding="utf-8"))
+            except MatrixError as error:
+                if flag == "check":
+                    raise CommandLineError(f"{PROGRAM} matrix: --check {target}: {error}") from None
+    if options.readme and "<!-- matrix:start -->" not in Path(options.readme).read_text("utf-8"):
+        raise CommandLineError(
+            f"{PROGRAM} matrix: --readme {options.readme} has no '<!-- matrix:start -->' ... "
+            "'<!-- matrix:end -->' section to replace"
+        )
+    json_dir = Path(options.json_dir) if options.json_dir else None
+    if json_dir is not None:
+        json_dir.mkdir(parents=True, exist_ok=True)
+    columns = run_matrix(adapters, profile=options.profile, stream=sys.stderr, json_dir=json_dir)
+    text = write_outputs(
+        columns,
+        options.profile,
+        markdown=Path(options.markdown) if options.markdown else None,
+        html_file=Path(options.html) if options.html else None,
+        readme=Path(options.readme) if options.readme else None,
+    )
+    problems = [
+        f"{column.title}: {result.id} failed unexpectedly"
+        for column in columns
+        for result in column.report.rules
+        if result.status == "failed"
+    ]
+    problems += [
+        f"{column.adapter}: did not run" for column in columns if column.report.identity is None
+    ]
+    if options.check:
+        problems += check_statuses(columns, Path(options.check).read_text(encoding="utf-8"))
+    sys.stdout.write(text)
+    for line in problems:
+        print(f"{PROGRAM} matrix: {line}", file=sys.stderr)
+    if problems:
+        raise _SuiteExit(1)
+    return ""
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], str]] = {
     "bench": _run_bench,
+    "matrix": _run_matrix,
     "golden": _run_golden,
     "mutants": _run_mutants,
     "check-adapter": _run_check_adapter,

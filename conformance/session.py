@@ -87,11 +87,13 @@ def is_suite_run(config: pytest.Config) -> bool:
 
 @dataclass
 class ListedTests:
-    """An xfails or skips file: one test-id prefix or rule ID per line, ``#`` comments."""
+    """An xfails or skips file: one test-id prefix or rule ID per line, ``#`` comments. A
+    comment after an entry is its reason, shown with every test it matches."""
 
     path: Path
     option: str
     entries: list[tuple[int, str]] = field(default_factory=list)
+    reasons: dict[int, str] = field(default_factory=dict)
     matched: set[int] = field(default_factory=set)
 
     @classmethod
@@ -102,12 +104,14 @@ class ListedTests:
         except (OSError, UnicodeDecodeError) as error:
             reason = getattr(error, "strerror", None) or error
             raise pytest.UsageError(f"{option} {path}: {reason}") from error
-        entries = []
+        entries, reasons = [], {}
         for number, line in enumerate(text.splitlines(), start=1):
-            content = line.split("#", 1)[0].strip()
-            if content:
-                entries.append((number, content))
-        return cls(path, option, entries)
+            content, _, comment = line.partition("#")
+            if content.strip():
+                entries.append((number, content.strip()))
+                if comment.strip():
+                    reasons[number] = comment.strip()
+        return cls(path, option, entries, reasons)
 
     def reason_for(self, item: pytest.Item, rule_id: str) -> str | None:
         """Why ``item`` is listed, when some line matches it."""
@@ -120,7 +124,9 @@ class ListedTests:
                 or (is_glob and fnmatch.fnmatchcase(rule_id, entry))
             ):
                 self.matched.add(number)
-                return f"listed in {self.path.name} line {number}: {entry}"
+                reason = self.reasons.get(number)
+                listed = f"listed in {self.path.name} line {number}: {entry}"
+                return f"{reason} ({listed})" if reason else listed
         return None
 
     def unmatched(self) -> list[tuple[int, str]]:

@@ -1,0 +1,80 @@
+"""The compliance matrix: its table, the README section it replaces, and the check."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.report import Report, RuleResult, SuiteIdentity
+from conformance.tools.matrix import (
+    END_MARKER,
+    START_MARKER,
+    Column,
+    MatrixError,
+    check_statuses,
+    read_statuses,
+    render_html,
+    render_markdown,
+    replace_section,
+)
+from spec.rules import RULES
+
+
+def _column(backend: str, statuses: dict[str, str], reasons: dict[str, str]) -> Column:
+    identity = SuiteIdentity(backend, "1.0", "float32", ["stages"], "0.1.0", "ci")
+    rules = [
+        RuleResult(rule.id, str(rule.category), rule.statement, statuses.get(rule.id, "passed"))
+        for rule in RULES
+    ]
+    for result in rules:
+        if result.status != "passed":
+            result.message = f"[{result.id}] went wrong\nsecond line"
+    return Column(backend, Report(status=0, identity=identity, rules=rules), 1.5, reasons)
+
+
+COLUMNS = [
+    _column("good", {}, {}),
+    _column(
+        "engine",
+        {"ERR-CONTEXT-LIMIT": "xfailed", "GRAD-ORACLE": "skipped"},
+        {"ERR-CONTEXT-LIMIT": "tokens past the context are accepted"},
+    ),
+]
+
+
+def test_the_table_has_a_row_per_rule_and_a_column_per_backend() -> None:
+    text = render_markdown(COLUMNS, "ci")
+    assert "| rule | good | engine |" in text
+    assert "| ERR-CONTEXT-LIMIT | pass | known |" in text
+    assert "| GRAD-ORACLE | pass | skip |" in text
+    # Each non-passing cell that is no skip gets its reason and its message's first line.
+    assert (
+        "- engine / ERR-CONTEXT-LIMIT (xfailed): known: tokens past the context are accepted. "
+        "[ERR-CONTEXT-LIMIT] went wrong" in text
+    )
+    assert "second line" not in text
+
+
+def test_the_recorded_statuses_are_read_back_and_checked() -> None:
+    readme = f"intro\n{START_MARKER}\nold\n{END_MARKER}\nrest\n"
+    updated = replace_section(readme, render_markdown(COLUMNS, "ci"))
+    assert updated.startswith("intro\n") and updated.endswith(f"{END_MARKER}\nrest\n")
+    assert read_statuses(updated)[("engine", "ERR-CONTEXT-LIMIT")] == "known"
+    assert check_statuses(COLUMNS, updated) == []
+    changed = [COLUMNS[0], _column("engine", {"ERR-CONTEXT-LIMIT": "failed"}, {})]
+    assert check_statuses(changed, updated) == [
+        "engine / ERR-CONTEXT-LIMIT: recorded known, now **FAIL**",
+        "engine / GRAD-ORACLE: recorded skip, now pass",
+    ]
+
+
+def test_a_file_without_the_markers_is_refused() -> None:
+    with pytest.raises(MatrixError, match="matrix:start"):
+        replace_section("no markers here", "table", where="README.md")
+    with pytest.raises(MatrixError, match="no matrix table"):
+        read_statuses("nothing")
+
+
+def test_the_html_page_escapes_every_message() -> None:
+    page = render_html([_column("<b>", {"VALUE-LOGITS": "failed"}, {})], "ci")
+    assert "<b>" not in page.replace("<body>", "")
+    assert "&lt;b&gt;" in page and "background:#ef9a9a" in page
