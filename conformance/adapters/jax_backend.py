@@ -26,6 +26,12 @@ Traps:
   arguments, so one compiled loss serves all three roles and every epsilon. They are
   compiled without LLVM's optimizations, which halves compile time and costs nothing
   measurable at run time on these sizes (the 4096-token pass too).
+- **Executables pile up.** Every executable XLA:CPU compiles holds about 70 memory maps and
+  10 MB until JAX's caches let it go, and the default profile compiles thousands: past the
+  kernel's 65530 maps (``vm.max_map_count``) compilation dies with a segmentation fault.
+  The adapter counts compilations (through :mod:`jax.monitoring`) and empties JAX's caches
+  every :data:`COMPILATION_BUDGET` of them, before a pass; the suite seldom returns to a
+  shape it left.
 - **Host checks.** The eps = 0 refusal of a zero mean square needs a value, which a
   compiled function cannot raise on: each RMSNorm reports its first zero row, and the host
   raises after the pass.
@@ -78,6 +84,7 @@ from spec.validation import (
 jax.config.update("jax_enable_x64", True)  # type: ignore[no-untyped-call]
 
 __all__ = [
+    "COMPILATION_BUDGET",
     "DeclaredDtypeError",
     "JaxBackend",
     "JaxDecoder",
@@ -89,6 +96,11 @@ __all__ = [
 ]
 
 ParameterArrays = Mapping[str, jax.Array]
+
+# Compilations between two clearings of JAX's caches (module docstring): about 5000 memory
+# maps and 700 MB at most, and a shape left behind is seldom needed again.
+COMPILATION_BUDGET = 64
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 # The reference's bound on parameter scalars (impl.model.MAX_PARAMETER_SCALARS); an adapter
 # may not import impl (tests/test_architecture.py).
@@ -276,6 +288,31 @@ _compiled_value_and_gradient = jax.jit(
 )
 
 
+@dataclass
+class _CompilationCount:
+    since_cleared: int = 0
+
+
+_COMPILATIONS = _CompilationCount()
+
+
+def _count_compilation(event: str, duration_secs: float, **metadata: str | int) -> None:
+    if event == _BACKEND_COMPILE_EVENT:
+        _COMPILATIONS.since_cleared += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compilation)
+
+
+def _release_executables_past_the_budget() -> None:
+    """Empty JAX's caches once :data:`COMPILATION_BUDGET` compilations have piled up. It is
+    process-wide (the eager path's executables live there too); other JAX code in the
+    process only compiles again."""
+    if _COMPILATIONS.since_cleared >= COMPILATION_BUDGET:
+        jax.clear_caches()  # type: ignore[no-untyped-call]  # jax leaves it unannotated
+        _COMPILATIONS.since_cleared = 0
+
+
 @dataclass(frozen=True)
 class JaxDecoder:
     """A model: its configuration and its arrays under the stable names, in stable order."""
@@ -403,6 +440,7 @@ class JaxBackend(BackendBase):
         _refuse(token_violation(config, tokens, shape))
         array = np.asarray(tokens, dtype=np.int64)
         ids = jnp.asarray(array.reshape(shape) if shape is not None else array)
+        _release_executables_past_the_budget()
         with _allocation_refused(ids):
             run_pass = _compiled_pass if self.compiled else decoder_pass
             stages, logits, zero_rows = run_pass(
@@ -432,6 +470,7 @@ class JaxBackend(BackendBase):
         ids = jnp.asarray(np.asarray(tokens, dtype=np.int64))
         labels = jnp.asarray(np.asarray(targets, dtype=np.int64).reshape(-1))
         value_and_gradient = _compiled_value_and_gradient if self.compiled else _value_and_gradient
+        _release_executables_past_the_budget()
         with _allocation_refused(ids):
             (loss, zero_rows), gradients = value_and_gradient(
                 model.arrays,
