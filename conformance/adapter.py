@@ -29,12 +29,15 @@ import numpy.typing as npt
 
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
+from spec.parameters import parameter_count
 from spec.recipe import SplitMix64
 from spec.rules import Capability
 from spec.tolerances import Precision
+from spec.validation import Violation
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "MAX_PARAMETER_SCALARS",
     "Backend",
     "BackendBase",
     "BackendLoadError",
@@ -49,6 +52,8 @@ __all__ = [
     "declared_departures",
     "describe",
     "load_backend",
+    "refuse",
+    "refuse_parameters_past_the_bound",
     "where",
 ]
 
@@ -91,6 +96,30 @@ class Refusal(Exception):
 
     def __str__(self) -> str:
         return f"{self.message} [{self.kind}]"
+
+
+def refuse(violation: Violation | None) -> None:
+    """Raise the :class:`Refusal` of a :mod:`spec.validation` violation, if there is one:
+    for adapters whose framework validates nothing itself."""
+    if violation is not None:
+        raise Refusal(violation.kind, f"refused: {violation.kind}", dict(violation.details))
+
+
+# The reference's bound on parameter scalars (impl.model.MAX_PARAMETER_SCALARS; adapters do
+# not import impl).
+MAX_PARAMETER_SCALARS = 2**31
+
+
+def refuse_parameters_past_the_bound(config: DecoderConfig) -> None:
+    """The reference's resource refusal of a model too large to allocate, for adapters that
+    draw the recipe's parameters themselves."""
+    scalars = parameter_count(config)
+    if scalars > MAX_PARAMETER_SCALARS:
+        raise Refusal(
+            ErrorKind.PARAMETER_ALLOCATION_FAILED,
+            f"{scalars} parameter scalars cannot be allocated; at most {MAX_PARAMETER_SCALARS}",
+            {"scalars": scalars},
+        )
 
 
 @dataclass

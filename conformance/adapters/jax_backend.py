@@ -59,6 +59,8 @@ from conformance.adapter import (
     LossOutput,
     Parameters,
     Refusal,
+    refuse,
+    refuse_parameters_past_the_bound,
 )
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
@@ -66,13 +68,11 @@ from spec.parameters import (
     BLOCK_PARAMETER_SUFFIXES,
     EMBEDDING_NAME,
     FINAL_NORM_NAME,
-    parameter_count,
     parameter_layout,
 )
 from spec.recipe import SplitMix64, initial_parameters
 from spec.tolerances import Precision
 from spec.validation import (
-    Violation,
     config_violation,
     loss_violation,
     rebuild_violation,
@@ -101,10 +101,6 @@ ParameterArrays = Mapping[str, jax.Array]
 # maps and 700 MB at most, and a shape left behind is seldom needed again.
 COMPILATION_BUDGET = 64
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-# The reference's bound on parameter scalars (impl.model.MAX_PARAMETER_SCALARS); an adapter
-# may not import impl (tests/test_architecture.py).
-MAX_PARAMETER_SCALARS = 2**31
 
 
 class DeclaredDtypeError(RuntimeError):
@@ -321,21 +317,6 @@ class JaxDecoder:
     arrays: dict[str, jax.Array]
 
 
-def _refuse(violation: Violation | None) -> None:
-    if violation is not None:
-        raise Refusal(violation.kind, f"refused: {violation.kind}", dict(violation.details))
-
-
-def _refuse_parameters_past_the_bound(config: DecoderConfig) -> None:
-    scalars = parameter_count(config)
-    if scalars > MAX_PARAMETER_SCALARS:
-        raise Refusal(
-            ErrorKind.PARAMETER_ALLOCATION_FAILED,
-            f"{scalars} parameter scalars cannot be allocated; at most {MAX_PARAMETER_SCALARS}",
-            {"scalars": scalars},
-        )
-
-
 def _refuse_zero_mean_square(config: DecoderConfig, zero_rows: jax.Array) -> None:
     """The spec's refusal where eps = 0 met a zero mean square (rsqrt gave inf, then NaN)."""
     if config.rms_epsilon != 0.0:
@@ -403,7 +384,7 @@ class JaxBackend(BackendBase):
     def build(self, config: DecoderConfig, parameters: Parameters) -> JaxDecoder:
         _require_x64()
         entries = list(parameters)
-        _refuse(rebuild_violation(config, entries))
+        refuse(rebuild_violation(config, entries))
         arrays = {
             name: jnp.array(np.asarray(value, dtype=np.float64), dtype=self.dtype)
             for name, value in entries
@@ -413,14 +394,14 @@ class JaxBackend(BackendBase):
         return JaxDecoder(config, arrays)
 
     def build_seeded(self, config: DecoderConfig, seed: int) -> JaxDecoder:
-        _refuse(config_violation(config))
-        _refuse(seed_violation(seed))
-        _refuse_parameters_past_the_bound(config)
+        refuse(config_violation(config))
+        refuse(seed_violation(seed))
+        refuse_parameters_past_the_bound(config)
         return self.build(config, initial_parameters(config, seed))
 
     def initialize(self, config: DecoderConfig, stream: SplitMix64) -> JaxDecoder:
-        _refuse(config_violation(config))
-        _refuse_parameters_past_the_bound(config)
+        refuse(config_violation(config))
+        refuse_parameters_past_the_bound(config)
         trial = stream.clone()
         model = self.build(config, initial_parameters(config, trial))
         stream.adopt(trial)
@@ -437,7 +418,7 @@ class JaxBackend(BackendBase):
     ) -> ForwardOutput:
         _require_x64()
         config = model.config
-        _refuse(token_violation(config, tokens, shape))
+        refuse(token_violation(config, tokens, shape))
         array = np.asarray(tokens, dtype=np.int64)
         ids = jnp.asarray(array.reshape(shape) if shape is not None else array)
         _release_executables_past_the_budget()
@@ -466,7 +447,7 @@ class JaxBackend(BackendBase):
     ) -> LossOutput:
         _require_x64()
         config = model.config
-        _refuse(loss_violation(config, tokens, targets))
+        refuse(loss_violation(config, tokens, targets))
         ids = jnp.asarray(np.asarray(tokens, dtype=np.int64))
         labels = jnp.asarray(np.asarray(targets, dtype=np.int64).reshape(-1))
         value_and_gradient = _compiled_value_and_gradient if self.compiled else _value_and_gradient

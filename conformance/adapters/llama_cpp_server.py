@@ -58,6 +58,7 @@ from conformance.adapter import (
     LossOutput,
     Parameters,
     Refusal,
+    refuse,
 )
 from conformance.adapters.reference_server import Server
 from conformance.layouts import GGUF_LLAMA
@@ -65,7 +66,7 @@ from spec.config import DecoderConfig
 from spec.errors import ErrorKind
 from spec.formats import Precision
 from spec.parameters import parameter_layout
-from spec.validation import Violation, loss_violation, token_violation
+from spec.validation import loss_violation, token_violation
 
 __all__ = ["KV_CACHE_TYPES", "LlamaCppEngine", "LlamaCppModel", "main"]
 
@@ -165,11 +166,6 @@ def write_gguf(config: DecoderConfig, parameters: Parameters, path: Path) -> Non
     writer.close()
 
 
-def _refuse(violation: Violation | None) -> None:
-    if violation is not None:
-        raise Refusal(violation.kind, f"refused: {violation.kind}", dict(violation.details))
-
-
 class LlamaCppEngine(BackendBase):
     """llama.cpp in this process (the server's backend; the suite reaches it through the
     subprocess adapter, so an abort costs one test)."""
@@ -251,7 +247,7 @@ class LlamaCppEngine(BackendBase):
         unlimited = dataclasses.replace(config, context=sys.maxsize)  # llama.cpp's to check
         violation = token_violation(unlimited, tokens, shape)
         if violation is not None and violation.kind is not ErrorKind.TOKEN_ID_OUT_OF_BOUNDS:
-            _refuse(violation)
+            refuse(violation)
         array = np.asarray(tokens)
         return np.asarray(array.reshape(shape) if shape is not None else array, dtype=np.int64)
 
@@ -357,7 +353,7 @@ class LlamaCppEngine(BackendBase):
         # llama.cpp's, checked after them, as the seed's loss does.
         violation = loss_violation(dataclasses.replace(config, context=sys.maxsize), ids, targets)
         if violation is not None and violation.kind is not ErrorKind.TOKEN_ID_OUT_OF_BOUNDS:
-            _refuse(violation)
+            refuse(violation)
         _, logits = self._decode(model, ids)
         rows = logits.reshape(-1, config.vocabulary_size)
         shifted = rows - rows.max(axis=1, keepdims=True)

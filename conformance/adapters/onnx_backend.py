@@ -47,8 +47,15 @@ import onnxruntime as ort  # type: ignore[import-untyped]  # ships no type infor
 import torch
 from torch import nn
 
-from conformance.adapter import Capability, ForwardOutput, LossOutput, Parameters, Refusal
-from conformance.adapters.torch_backend import RMSNorm, TorchBackend, TorchDecoder, _refuse
+from conformance.adapter import (
+    Capability,
+    ForwardOutput,
+    LossOutput,
+    Parameters,
+    Refusal,
+    refuse,
+)
+from conformance.adapters.torch_backend import RMSNorm, TorchBackend, TorchDecoder
 from conformance.adapters.torch_backend import _allocation_refused as torch_allocation_refused
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
@@ -304,7 +311,7 @@ class OnnxRuntimeBackend(TorchBackend):
         if detach_lookup or detach_head:
             raise NotImplementedError("ONNX Runtime computes no gradients, so detaches nothing")
         config = model[0]
-        _refuse(loss_violation(config, tokens, targets))
+        refuse(loss_violation(config, tokens, targets))
         ids = np.asarray(tokens, dtype=np.int64)
         labels = np.asarray(targets, dtype=np.int64).reshape(ids.shape)
         loss = self._run(model, ids, labels)[LEADING_OUTPUTS.index("loss")]

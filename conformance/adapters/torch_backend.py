@@ -28,14 +28,14 @@ from conformance.adapter import (
     LossOutput,
     Parameters,
     Refusal,
+    refuse,
+    refuse_parameters_past_the_bound,
 )
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
-from spec.parameters import parameter_count
 from spec.recipe import SplitMix64, initial_parameters
 from spec.tolerances import Precision
 from spec.validation import (
-    Violation,
     config_violation,
     loss_violation,
     rebuild_violation,
@@ -217,20 +217,6 @@ class TorchDecoder(nn.Module):
         return stages, normalized @ (table.detach() if detach_head else table).T
 
 
-# The reference's bound on parameter scalars (impl.model.MAX_PARAMETER_SCALARS).
-MAX_PARAMETER_SCALARS = 2**31
-
-
-def _refuse_parameters_past_the_bound(config: DecoderConfig) -> None:
-    scalars = parameter_count(config)
-    if scalars > MAX_PARAMETER_SCALARS:
-        raise Refusal(
-            ErrorKind.PARAMETER_ALLOCATION_FAILED,
-            f"{scalars} parameter scalars cannot be allocated; at most {MAX_PARAMETER_SCALARS}",
-            {"scalars": scalars},
-        )
-
-
 @contextlib.contextmanager
 def _allocation_refused(ids: torch.Tensor) -> Iterator[None]:
     """A pass the allocator cannot hold is the spec's resource refusal, not a crash."""
@@ -244,11 +230,6 @@ def _allocation_refused(ids: torch.Tensor) -> Iterator[None]:
             f"a pass over {list(ids.shape)} tokens ran out of memory: {error}",
             {"batch": int(ids.shape[0]), "tokens": int(ids.shape[-1])},
         ) from None
-
-
-def _refuse(violation: Violation | None) -> None:
-    if violation is not None:
-        raise Refusal(violation.kind, f"refused: {violation.kind}", dict(violation.details))
 
 
 class TorchBackend(BackendBase):
@@ -266,7 +247,7 @@ class TorchBackend(BackendBase):
         self, config: DecoderConfig, parameters: Parameters
     ) -> tuple[DecoderConfig, TorchDecoder]:
         entries = list(parameters)
-        _refuse(rebuild_violation(config, entries))
+        refuse(rebuild_violation(config, entries))
         module = TorchDecoder(config).to(self.dtype)
         with torch.no_grad():
             for parameter, (_, value) in zip(module.parameters(), entries, strict=True):
@@ -276,16 +257,16 @@ class TorchBackend(BackendBase):
         return config, module
 
     def build_seeded(self, config: DecoderConfig, seed: int) -> tuple[DecoderConfig, TorchDecoder]:
-        _refuse(config_violation(config))
-        _refuse(seed_violation(seed))
-        _refuse_parameters_past_the_bound(config)
+        refuse(config_violation(config))
+        refuse(seed_violation(seed))
+        refuse_parameters_past_the_bound(config)
         return self.build(config, initial_parameters(config, seed))
 
     def initialize(
         self, config: DecoderConfig, stream: SplitMix64
     ) -> tuple[DecoderConfig, TorchDecoder]:
-        _refuse(config_violation(config))
-        _refuse_parameters_past_the_bound(config)
+        refuse(config_violation(config))
+        refuse_parameters_past_the_bound(config)
         trial = stream.clone()
         model = self.build(config, initial_parameters(config, trial))
         stream.adopt(trial)
@@ -303,7 +284,7 @@ class TorchBackend(BackendBase):
         shape: tuple[int, int] | None,
     ) -> torch.Tensor:
         config = model[0]
-        _refuse(token_violation(config, tokens, shape))
+        refuse(token_violation(config, tokens, shape))
         array = np.asarray(tokens, dtype=np.int64)
         return torch.as_tensor(array.reshape(shape) if shape is not None else array)
 
@@ -325,7 +306,7 @@ class TorchBackend(BackendBase):
         detach_head: bool = False,
     ) -> LossOutput:
         config, module = model
-        _refuse(loss_violation(config, tokens, targets))
+        refuse(loss_violation(config, tokens, targets))
         ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
         module.zero_grad(set_to_none=True)
         with _allocation_refused(ids):

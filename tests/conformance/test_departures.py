@@ -87,3 +87,10 @@ def test_known_failures_for_an_adapter_that_ships_none_is_a_usage_error() -> Non
         )
         assert done.returncode == 2, done.stderr
         assert "--known-failures" in done.stderr
+
+
+def test_the_adapters_parameter_bound_is_the_references() -> None:
+    from conformance.adapter import MAX_PARAMETER_SCALARS
+    from impl.model import MAX_PARAMETER_SCALARS as REFERENCE_BOUND
+
+    assert MAX_PARAMETER_SCALARS == REFERENCE_BOUND
