@@ -841,6 +841,7 @@ def _run_matrix(options: argparse.Namespace) -> str:
         MatrixError,
         check_statuses,
         read_statuses,
+        replace_section,
         run_matrix,
         write_outputs,
     )
@@ -850,20 +851,18 @@ def _run_matrix(options: argparse.Namespace) -> str:
     for flag in ("markdown", "html"):
         if getattr(options, flag):
             _writable_file("matrix", f"--{flag}", getattr(options, flag))
-    for flag in ("readme", "check"):
+    # Before any run: a README without the section, or a matrix file without a table.
+    for flag, parse in (
+        ("readme", lambda text: replace_section(text, "")),
+        ("check", read_statuses),
+    ):
         target = getattr(options, flag)
         if target:
             _text_file("matrix", f"--{flag}", target)
             try:
-                read_statuses(Path(target).read_text(encoding="utf-8"))
+                parse(Path(target).read_text(encoding="utf-8"))
             except MatrixError as error:
-                if flag == "check":
-                    raise CommandLineError(f"{PROGRAM} matrix: --check {target}: {error}") from None
-    if options.readme and "<!-- matrix:start -->" not in Path(options.readme).read_text("utf-8"):
-        raise CommandLineError(
-            f"{PROGRAM} matrix: --readme {options.readme} has no '<!-- matrix:start -->' ... "
-            "'<!-- matrix:end -->' section to replace"
-        )
+                raise CommandLineError(f"{PROGRAM} matrix: --{flag} {target}: {error}") from None
     json_dir = Path(options.json_dir) if options.json_dir else None
     if json_dir is not None:
         json_dir.mkdir(parents=True, exist_ok=True)

@@ -113,9 +113,8 @@ class ListedTests:
                     reasons[number] = comment.strip()
         return cls(path, option, entries, reasons)
 
-    def reason_for(self, item: pytest.Item, rule_id: str) -> str | None:
-        """Why ``item`` is listed, when some line matches it."""
-        identity = stable_id(item)
+    def line_for(self, rule_id: str, identity: str) -> int | None:
+        """The first line that lists the test ``identity`` (:func:`stable_id`) of a rule."""
         for number, entry in self.entries:
             is_glob = any(character in entry for character in "*?[")
             if (
@@ -123,11 +122,18 @@ class ListedTests:
                 or identity.startswith(entry)
                 or (is_glob and fnmatch.fnmatchcase(rule_id, entry))
             ):
-                self.matched.add(number)
-                reason = self.reasons.get(number)
-                listed = f"listed in {self.path.name} line {number}: {entry}"
-                return f"{reason} ({listed})" if reason else listed
+                return number
         return None
+
+    def reason_for(self, item: pytest.Item, rule_id: str) -> str | None:
+        """Why ``item`` is listed, when some line matches it."""
+        number = self.line_for(rule_id, stable_id(item))
+        if number is None:
+            return None
+        self.matched.add(number)
+        reason = self.reasons.get(number)
+        listed = f"listed in {self.path.name} line {number}: {dict(self.entries)[number]}"
+        return f"{reason} ({listed})" if reason else listed
 
     def unmatched(self) -> list[tuple[int, str]]:
         """Lines that matched no test: probably stale."""

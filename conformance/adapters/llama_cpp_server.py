@@ -41,6 +41,7 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,6 @@ from conformance.layouts import GGUF_LLAMA
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
 from spec.formats import Precision
-from spec.parameters import parameter_layout
 from spec.validation import loss_violation, token_violation
 
 __all__ = ["KV_CACHE_TYPES", "LlamaCppEngine", "LlamaCppModel", "main"]
@@ -179,7 +179,7 @@ class LlamaCppEngine(BackendBase):
             raise ValueError(f"kv cache {kv_cache!r}: choose one of {', '.join(KV_CACHE_TYPES)}")
         self.kv_cache = kv_cache
         self.name = "llama-cpp" if kv_cache == "f32" else f"llama-cpp-{kv_cache}-cache"
-        self.version = f"llama-cpp-python {llama_cpp.__version__}, gguf {_version('gguf')}"
+        self.version = f"llama-cpp-python {llama_cpp.__version__}, gguf {version('gguf')}"
         self._log = _Log()
         llama_cpp.llama_backend_init()
         self._ggml = _ggml_base()
@@ -203,11 +203,7 @@ class LlamaCppEngine(BackendBase):
         return LlamaCppModel(config, handle, stored)
 
     def parameters(self, model: LlamaCppModel) -> list[tuple[str, FloatArray]]:
-        names = [name for name, _ in parameter_layout(model.config)]
-        listed = [(name, value.copy()) for name, value in model.parameters]
-        if [name for name, _ in listed] != names:
-            raise RuntimeError("the model's parameters are not in the stable order")
-        return listed
+        return [(name, value.copy()) for name, value in model.parameters]
 
     # ------------------------------------------------------------------ passes
     def _observe(self, tensor: Any, ask: bool, _user: Any) -> bool:
@@ -360,18 +356,6 @@ class LlamaCppEngine(BackendBase):
         log_norm = np.log(np.exp(shifted).sum(axis=1))
         chosen = shifted[np.arange(rows.shape[0]), np.asarray(targets, dtype=np.int64).reshape(-1)]
         return LossOutput(loss=float(np.mean(log_norm - chosen)), gradients=None)
-
-    def close(self, model: LlamaCppModel) -> None:
-        model.close()
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _errors(logged: list[str]) -> str:

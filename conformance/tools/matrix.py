@@ -23,6 +23,7 @@ from typing import TextIO
 from conformance.files import write_atomically
 from conformance.known_failures import FOLDER as KNOWN_FAILURES
 from conformance.report import Report, RuleResult, first_line
+from conformance.session import ListedTests
 from spec.rules import RULES
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "Column",
     "MatrixError",
     "check_statuses",
+    "known_reasons",
     "read_statuses",
     "render_html",
     "render_markdown",
@@ -106,15 +108,14 @@ def known_reasons(adapter: str, report: Report) -> dict[str, str]:
     path = KNOWN_FAILURES / f"{adapter}.txt"
     if not path.is_file():
         return {}
+    listed = ListedTests.read(path)
     reasons: dict[str, str] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        entry, _, reason = (part.strip() for part in line.partition("#"))
-        if not entry:
-            continue
-        for result in report.rules:
-            tests = [t.test.rsplit("/", 1)[-1] for t in result.results]
-            if entry == result.id or any(test.startswith(entry) for test in tests):
-                reasons.setdefault(result.id, reason)
+    for result in report.rules:
+        # A report names a test by its path; the listed entries by the file's name alone.
+        lines = (listed.line_for(result.id, t.test.rsplit("/", 1)[-1]) for t in result.results)
+        number = next((line for line in lines if line is not None), None)
+        if number is not None:
+            reasons[result.id] = listed.reasons.get(number, "")
     return reasons
 
 
