@@ -48,9 +48,18 @@ def _add_run_commands(commands: Any) -> None:
     )
     run.add_argument(
         "--profile",
-        choices=("ci", "default", "thorough"),
+        choices=("ci", "default", "thorough", "scale"),
         default="default",
-        help="hypothesis profile: ci (small, derandomized), default, thorough",
+        help="ci (small, derandomized), default, thorough; or scale: the SCALE rules at the "
+        "size of real models (spec/scale.py), against the float64 reference",
+    )
+    run.add_argument(
+        "--scale-shape",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --profile scale: check this shape (repeatable; smollm2-135m, long-context, "
+        "wide-vocabulary by default; smoke takes seconds)",
     )
     run.add_argument(
         "--rule",
@@ -186,7 +195,33 @@ def _add_suite_commands(commands: Any) -> None:
     derive.add_argument(
         "--write",
         action="store_true",
-        help="replace spec/derived_tolerances.py with the derived table (maintainers)",
+        help="replace spec/derived_tolerances.json with the derived table (maintainers)",
+    )
+    derive.add_argument(
+        "--scale",
+        action="store_true",
+        help="measure only the bounds at the scale shapes (spec/scale.py): the emulation "
+        "against the float64 reference, at each shape (minutes per shape and precision)",
+    )
+    derive.add_argument(
+        "--scale-shape",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --scale: this shape only (repeatable; default every shape)",
+    )
+    derive.add_argument(
+        "--precision",
+        action="append",
+        default=[],
+        choices=("float32", "bfloat16", "float16"),
+        help="with --scale: this precision only (repeatable; default all three)",
+    )
+    derive.add_argument(
+        "--growth",
+        action="store_true",
+        help="measure only how the float64 reference's error against mpmath grows with "
+        "width, depth, positions and vocabulary, and fit it (about 5 minutes)",
     )
     bench = commands.add_parser(
         "bench",
@@ -198,7 +233,10 @@ def _add_suite_commands(commands: Any) -> None:
         ),
     )
     bench.add_argument(
-        "--sizes", default="small,medium,large", help="comma-separated: small, medium, large"
+        "--sizes",
+        default="small,medium,large",
+        help="comma-separated: small, medium, large, smollm2 (the scale profile's SmolLM2-135M "
+        "shape, batch 1 x 1,024 tokens: minutes)",
     )
     bench.add_argument(
         "--threads", type=_positive_int, default=os.cpu_count() or 1, help="threads (all cores)"
@@ -248,7 +286,10 @@ def _add_suite_commands(commands: Any) -> None:
         help="an adapter to include (repeatable; default: every shipped adapter)",
     )
     matrix.add_argument(
-        "--profile", choices=("ci", "default", "thorough"), default="ci", help="profile (ci)"
+        "--profile",
+        choices=("ci", "default", "thorough", "scale"),
+        default="ci",
+        help="profile (ci)",
     )
     matrix.add_argument("--markdown", metavar="FILE", help="write the matrix as Markdown")
     matrix.add_argument("--html", metavar="FILE", help="write the matrix as an HTML page")
@@ -629,6 +670,7 @@ def _run_suite(options: argparse.Namespace) -> str:
     report = run_suite(
         options.adapter,
         profile=options.profile,
+        scale_shapes=options.scale_shape,
         rules=options.rule,
         max_examples=options.max_examples,
         seed=options.seed,
@@ -699,7 +741,17 @@ def _run_tolerances(options: argparse.Namespace) -> str:
             f"(numpy {made['numpy']}, Python {made['python']}); how: {made['explained_in']}",
             *(f"{name}: {entry['derivation']}" for name, entry in TABLE.items()),
         ]
-        return render_derivation(TABLE) + "\n" + "\n".join(provenance) + "\n"
+        text = render_derivation(TABLE)
+        if "reference_growth" in DOCUMENT:
+            from conformance.tools.reference_growth import render_growth, render_scale_bounds
+
+            growth = DOCUMENT["reference_growth"]
+            made_by = f"written {growth['written']} by `{growth['command']}`"
+            provenance.append(f"reference_growth: {made_by}")
+            text += "\n" + render_growth(growth) + "\n\n" + render_scale_bounds() + "\n"
+        return text + "\n" + "\n".join(provenance) + "\n"
+    if options.scale or options.growth:
+        return _derive_at_scale(options)
     if options.adapter is None and options.backend_command is None:
         return _derive_tolerances(options)
     from conformance.adapter import BackendLoadError, BackendOptions, load_backend
@@ -716,6 +768,69 @@ def _run_tolerances(options: argparse.Namespace) -> str:
     return render_survey(measured, account)
 
 
+def _derive_at_scale(options: argparse.Namespace) -> str:
+    """``tolerances derive --scale`` / ``--growth``: measure the scale bounds or the
+    reference's error growth, and (with ``--write``) merge them into the committed table."""
+    import copy
+    import datetime
+    import json
+    from pathlib import Path
+
+    import spec
+    from conformance.files import write_atomically
+    from conformance.tools import reference_growth
+    from conformance.tools.tolerance_derivation import calibrated_scale_cases
+    from spec.formats import Precision
+    from spec.scale import SCALE_SHAPES
+    from spec.tolerances import DOCUMENT
+
+    unknown = [name for name in options.scale_shape if name not in SCALE_SHAPES]
+    if unknown:
+        raise CommandLineError(
+            f"{PROGRAM} tolerances derive: --scale-shape {', '.join(unknown)}: no such shape; "
+            f"known: {', '.join(SCALE_SHAPES)}"
+        )
+    if (options.scale_shape or options.precision) and not options.scale:
+        raise CommandLineError(
+            f"{PROGRAM} tolerances derive: --scale-shape and --precision go with --scale"
+        )
+    document = copy.deepcopy(DOCUMENT)
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    lines: list[str] = []
+
+    def progress(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    if options.growth:
+        points = reference_growth.measure_growth(progress=progress)
+        command = f"{PROGRAM} tolerances derive --growth --write"
+        document["reference_growth"] = reference_growth.growth_document(points, command)
+        document["reference_growth"]["written"] = today
+        lines.append(reference_growth.render_growth(document["reference_growth"]))
+    if options.scale:
+        shapes = options.scale_shape or list(SCALE_SHAPES)
+        precisions = options.precision or ["float32", "bfloat16", "float16"]
+        for name in precisions:
+            measured = calibrated_scale_cases(Precision(name), shapes, progress=progress)
+            document["precisions"][name].setdefault("cases", {}).update(measured)
+            lines += [
+                f"{name} {case}: " + ", ".join(f"{q} {bound:.3g}" for q, bound in bounds.items())
+                for case, bounds in measured.items()
+            ]
+        arguments = "".join(f" --scale-shape {n}" for n in options.scale_shape) + "".join(
+            f" --precision {p}" for p in options.precision
+        )
+        document["provenance"].setdefault("scale", []).append(
+            {"command": f"{PROGRAM} tolerances derive --scale{arguments} --write", "written": today}
+        )
+    text = "\n".join(lines) + "\n"
+    if options.write:
+        path = Path(spec.__file__).parent / "derived_tolerances.json"
+        write_atomically(path, json.dumps(document, indent=2) + "\n")
+        text += f"wrote {path}\n"
+    return text
+
+
 def _derive_tolerances(options: argparse.Namespace) -> str:
     """Measure every precision's instrument, fit the error models, check them on held-out
     cases, and (with ``--write``) replace the committed table."""
@@ -724,7 +839,7 @@ def _derive_tolerances(options: argparse.Namespace) -> str:
     import spec
     from conformance.tools import tolerance_derivation as derivation
     from spec.formats import Precision
-    from spec.tolerances import model_from_entry
+    from spec.tolerances import DOCUMENT, TABLE, model_from_entry
 
     count = options.configs or 1000
     cases = derivation.derivation_cases(count, options.seed)
@@ -738,7 +853,13 @@ def _derive_tolerances(options: argparse.Namespace) -> str:
             "safety": derivation.SAFETY,
             "quantities": fitted,
             "derivation": derivation.derivation_text(precision, fitted, count),
-            "cases": derivation.calibrated_cases(precision),
+            # The scale bounds and the growth study are measured by --scale and --growth.
+            "cases": derivation.calibrated_cases(precision)
+            | {
+                name: bounds
+                for name, bounds in TABLE.get(str(precision), {}).get("cases", {}).items()
+                if name.startswith("scale:")
+            },
         }
         table[str(precision)] = entry
         use[precision] = derivation.held_out_use(held_out, model_from_entry(precision, entry))
@@ -750,7 +871,8 @@ def _derive_tolerances(options: argparse.Namespace) -> str:
     if options.write:
         path = Path(spec.__file__).parent / "derived_tolerances.json"
         command = f"{PROGRAM} tolerances derive --configs {count} --seed {options.seed}"
-        derivation.write_table(path, table, command + " --write")
+        kept = {key: DOCUMENT[key] for key in ("reference_growth",) if key in DOCUMENT}
+        derivation.write_table(path, table, command + " --write", kept)
         text += f"wrote {path}\n"
     return text
 
@@ -884,7 +1006,9 @@ def _run_matrix(options: argparse.Namespace) -> str:
         f"{column.adapter}: did not run" for column in columns if column.report.identity is None
     ]
     if options.check:
-        problems += check_statuses(columns, Path(options.check).read_text(encoding="utf-8"))
+        problems += check_statuses(
+            columns, Path(options.check).read_text(encoding="utf-8"), options.profile
+        )
     sys.stdout.write(text)
     for line in problems:
         print(f"{PROGRAM} matrix: {line}", file=sys.stderr)

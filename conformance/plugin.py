@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from conformance.profiles import PROFILES, select_profile
+from conformance.profiles import PROFILES, active, runs_rule, select_profile
 
 if TYPE_CHECKING:
     from conformance.checks import Judge
@@ -62,7 +62,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--conformance-profile",
         choices=sorted(PROFILES),
         default="default",
-        help="hypothesis profile of the suite: ci (small, derandomized), default, thorough",
+        help="profile of the suite: ci (small, derandomized), default, thorough, or scale "
+        "(the SCALE rules at spec/scale.py's shapes, against the float64 reference)",
+    )
+    group.addoption(
+        "--scale-shape",
+        action="append",
+        metavar="NAME",
+        help="with the scale profile, check this shape of spec/scale.py (repeatable; default: "
+        "smollm2-135m, long-context, wide-vocabulary)",
     )
     group.addoption(
         "--conformance-max-examples",
@@ -127,8 +135,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         "randomly_reorganize", False
     )
     if conformance_items and not shuffled:  # a random order, when asked for, is kept
+        # At scale, shape by shape: one shape's reference run serves all its rules.
         ordered = sorted(
-            conformance_items, key=lambda item: position.get(session.rule_of(item), len(position))
+            conformance_items,
+            key=lambda item: (
+                _scale_shape_index(item),
+                position.get(session.rule_of(item), len(position)),
+            ),
         )
         others = [item for item in items if not _is_conformance_test(item)]
         items[:] = ordered + others
@@ -139,7 +152,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             kept.append(item)
             continue
         rule_id = session.rule_of(item)
-        if session.contract_broken or not session.selected(rule_id):
+        in_profile = runs_rule(active().name, rule_id)
+        if session.contract_broken or not session.selected(rule_id) or not in_profile:
             deselected.append(item)
             continue
         kept.append(item)
@@ -164,6 +178,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 f"{listed.path.name} line {number} ({entry!r}) matches no test"
             )
             config.issue_config_time_warning(warning, stacklevel=2)
+
+
+def _scale_shape_index(item: pytest.Item) -> int:
+    from spec.scale import SCALE_SHAPES
+
+    callspec = getattr(item, "callspec", None)
+    name = callspec.params.get("shape_name") if callspec is not None else None
+    return list(SCALE_SHAPES).index(name) if name in SCALE_SHAPES else -1
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

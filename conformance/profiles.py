@@ -1,4 +1,8 @@
-"""Hypothesis profiles of the conformance suite: ``ci``, ``default`` and ``thorough``.
+"""Hypothesis profiles of the conformance suite: ``ci``, ``default``, ``thorough`` and ``scale``.
+
+``scale`` is not a larger ``thorough``: it runs the SCALE rules (and the adapter contract)
+at the named shapes of :mod:`spec.scale`, judged against the float64 reference, and none of
+the generated properties; the other profiles run everything but the SCALE rules.
 
 The plugin selects one before the test modules are imported; each property then takes its
 settings from :func:`suite_settings`, so the project's own tests keep their profiles. A run
@@ -13,7 +17,15 @@ from dataclasses import dataclass
 
 from hypothesis import HealthCheck, Phase, settings
 
-__all__ = ["PROFILES", "Selection", "active", "select_profile", "suite_settings"]
+__all__ = [
+    "PROFILES",
+    "SCALE_PROFILE",
+    "Selection",
+    "active",
+    "runs_rule",
+    "select_profile",
+    "suite_settings",
+]
 
 # The judge fixture is stateless, so sharing it across examples is safe.
 _QUIET_CHECKS = [
@@ -41,7 +53,22 @@ PROFILES: dict[str, settings] = {
     "ci": _profile(15, derandomize=True),
     "default": _profile(150, derandomize=False),
     "thorough": _profile(300, derandomize=False),
+    # Fixed shapes, no generated examples: one run of each SCALE rule per shape.
+    "scale": _profile(1, derandomize=True),
 }
+SCALE_PROFILE = "scale"
+# Rules the scale profile runs besides its own: a broken adapter contract is reported first.
+_ALSO_AT_SCALE = frozenset({"ADAPTER-CONTRACT"})
+
+
+def runs_rule(profile: str, rule_id: str) -> bool:
+    """Whether ``profile`` runs the rule: SCALE rules at ``scale`` only, the rest elsewhere."""
+    from spec.rules import RuleCategory, rule
+
+    at_scale = rule(rule_id).category is RuleCategory.SCALE
+    if profile == SCALE_PROFILE:
+        return at_scale or rule_id in _ALSO_AT_SCALE
+    return not at_scale
 
 
 @dataclass(frozen=True)

@@ -237,8 +237,9 @@ def render_table(tally: RuleTally, identity: SuiteIdentity) -> str:
         )
     if len(shown) < len(results):
         lines.append(
-            f"({len(untested)} rules untested: not selected, or not run after a broken "
-            "contract; the JSON and Markdown reports list them)"
+            f"({len(untested)} rules untested: not selected, not in the profile (the SCALE "
+            "rules run at --profile scale only, the others everywhere else), or not run after "
+            "a broken contract; the JSON and Markdown reports list them)"
         )
     lines.append(_counts_line(tally.summary()))
     return "\n".join(lines) + "\n"

@@ -247,6 +247,7 @@ def run_suite(
     xfails_file: str | os.PathLike[str] | None = None,
     skips_file: str | os.PathLike[str] | None = None,
     rules: Sequence[str] = (),
+    scale_shapes: Sequence[str] = (),
     tests: Sequence[str] | None = None,
     max_examples: int | None = None,
     seed: int | None = None,
@@ -264,7 +265,9 @@ def run_suite(
     cwd: str | os.PathLike[str] | None = None,
 ) -> Report:
     """Check a backend against every rule (or ``rules``, IDs or globs; or ``tests``, node
-    IDs) and return the rule-by-rule :class:`Report`.
+    IDs) and return the rule-by-rule :class:`Report`; with ``profile="scale"``, the SCALE
+    rules at ``scale_shapes`` (names in :data:`spec.scale.SCALE_SHAPES`; the three of real
+    size when empty).
 
     ``adapter`` is a registered name, ``module:attribute`` or ``file.py:attribute``
     (default: ``$DECODER_CONFORMANCE_ADAPTER``, else the reference). The run's output is
@@ -286,6 +289,7 @@ def run_suite(
         variables["DECODER_CONFORMANCE_NO_SHRINK"] = "1"
     variables.update(environment or {})
     flags = [f"--rule={pattern}" for pattern in rules]
+    flags += [f"--scale-shape={name}" for name in scale_shapes]
     if not contract_check:
         flags.append("--no-contract-check")
     if color:

@@ -32,6 +32,7 @@ class RuleCategory(StrEnum):
     VALUES = "values"
     GRADIENTS = "gradients"
     GOLDEN = "golden"
+    SCALE = "scale"  # run by the scale profile only, against the float64 reference
 
 
 class Capability(StrEnum):
@@ -70,6 +71,7 @@ _ANSWERS = "seed: 'Check the structural answers'"
 _GRADCHECK = "seed: 'Check the tied table and final gain numerically'"
 _EVIDENCE = "seed: 'Collect one coherent evidence record'"
 _RECIPE = "RECIPE.md"
+_SCALE = "project rule (issue 22): spec/scale.py's shapes, the float64 reference as the oracle"
 
 # fmt: off
 C = RuleCategory
@@ -129,6 +131,12 @@ RULES: tuple[Rule, ...] = (
     Rule("GRAD-ORACLE", "Every parameter scalar's gradient agrees with the high-precision oracle gradient within tolerance.", C.GRADIENTS, f"{_ROLES}; project rule (issue 6)", needs=(K.GRADIENTS,)),
     Rule("GOLDEN-VALUES", "On every golden case, every stage, the logits and the loss match the golden file within tolerance.", C.GOLDEN, "golden/ (issue 5)"),
     Rule("GOLDEN-GRADIENTS", "On every golden case, every parameter's gradient matches the golden file within tolerance.", C.GOLDEN, "golden/ (issue 5)", needs=(K.GRADIENTS,)),
+    Rule("SCALE-STAGES", "At each scale shape, every stage agrees with the float64 reference within the bound measured for the declared precision at that shape.", C.SCALE, _SCALE, needs=(K.STAGES,)),
+    Rule("SCALE-LOGITS", "At each scale shape, the logits and the loss agree with the float64 reference within the bounds measured at that shape.", C.SCALE, _SCALE),
+    Rule("SCALE-GRADIENTS", "At each scale shape, every parameter's gradient agrees with the float64 reference within the bound measured at that shape.", C.SCALE, _SCALE, needs=(K.GRADIENTS,)),
+    Rule("SCALE-CAUSALITY", "At each scale shape, changing the token at a late position leaves every earlier logit row bitwise unchanged and changes its own row.", C.SCALE, _SCALE),
+    Rule("SCALE-BATCH", "At each scale shape, a sequence run alone gives the logits it has in the batch, within the shape's bound.", C.SCALE, _SCALE),
+    Rule("SCALE-TYING", "At each scale shape, the parameters are the 2 + 9N stable names (no head), and changing a table row changes its lookup and logit column.", C.SCALE, _SCALE),
     Rule("GRAD-SEED-CHECK", "The seed's central-difference check (step 1e-6, tolerance 2e-5) passes on its probe model.", C.GRADIENTS, _GRADCHECK, needs=(K.GRADIENTS,)),
 )
 del C, K

@@ -34,12 +34,15 @@ __all__ = [
     "DOCUMENT",
     "TABLE",
     "Growth",
+    "MissingScaleBound",
     "Precision",
     "Quantity",
     "QuantityModel",
     "Tolerance",
     "ToleranceModel",
     "model_from_entry",
+    "reference_bound",
+    "scale_tolerance",
     "scaled_error",
     "tolerance_for",
     "tolerance_models",
@@ -186,6 +189,62 @@ def tolerance_for(precision: Precision | str) -> ToleranceModel:
     except (ValueError, KeyError):
         known = ", ".join(str(p) for p in Precision)
         raise KeyError(f"no tolerance for precision {precision!r}; known: {known}") from None
+
+
+class MissingScaleBound(LookupError):
+    """No bound was measured for this precision at this scale shape."""
+
+
+def reference_bound(config: DecoderConfig, positions: int) -> dict[Quantity, float]:
+    """The float64 reference's own error bound (stages, logits, loss) at ``config`` over
+    ``positions`` tokens: the growth fitted by ``tolerances derive --growth`` over the sizes
+    mpmath reaches (DOCUMENT["reference_growth"]), extrapolated to this size; gradients from
+    the float64 error model (fitted over the 1000 generated cases), likewise extrapolated."""
+    growth = DOCUMENT.get("reference_growth")
+    if growth is None:
+        raise MissingScaleBound(
+            "spec/derived_tolerances.json has no reference_growth: run "
+            "`decoder-conformance tolerances derive --growth --write`"
+        )
+    unit = number_format(Precision.FLOAT64).unit_roundoff
+    bounds = {
+        Quantity(name): float(fitted["coefficient"])
+        * unit
+        * Growth(**{key: float(value) for key, value in fitted["exponents"].items()})(
+            config, positions
+        )
+        for name, fitted in growth["quantities"].items()
+    }
+    bounds[Quantity.GRADIENTS] = _MODELS[Precision.FLOAT64].bound(
+        Quantity.GRADIENTS, config, positions
+    )
+    return bounds
+
+
+# A float64 backend and the reference may each be off by the reference's bound, in opposite
+# directions: their difference is held to twice it.
+FLOAT64_SCALE_FACTOR = 2.0
+
+
+def scale_tolerance(precision: Precision | str, name: str) -> Tolerance:
+    """Every quantity's tolerance at scale shape ``name`` (``spec.scale``), judged against
+    the float64 reference: for float32, bfloat16 and float16 the bound measured at the shape
+    itself (``tolerances derive --scale``: 6 x the emulation's worst over its seeds); for
+    float64, twice the reference's own extrapolated bound (:func:`reference_bound`)."""
+    from spec.scale import scale_shape
+
+    shape = scale_shape(name)
+    chosen = tolerance_for(precision)
+    if chosen.precision is Precision.FLOAT64:
+        bounds = reference_bound(shape.config, shape.positions)
+        return Tolerance(**{str(q): FLOAT64_SCALE_FACTOR * bound for q, bound in bounds.items()})
+    measured = chosen.cases.get(f"scale:{name}")
+    if measured is None:
+        raise MissingScaleBound(
+            f"no {chosen.precision} bound was measured at scale shape {name!r}: run "
+            f"`decoder-conformance tolerances derive --scale --write`"
+        )
+    return Tolerance(**{str(q): measured[q] for q in Quantity})
 
 
 def scaled_error(got: npt.ArrayLike, exact: npt.ArrayLike) -> npt.NDArray[np.float64]:

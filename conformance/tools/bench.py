@@ -20,6 +20,7 @@ from typing import Any
 
 from conformance.runner import thread_environment
 from spec.config import FIXTURE, DecoderConfig
+from spec.scale import SCALE_SHAPES
 
 __all__ = [
     "SIZES",
@@ -34,6 +35,8 @@ SIZES: dict[str, tuple[DecoderConfig, int, int]] = {
     "small": (FIXTURE.config, 1, 3),
     "medium": (DecoderConfig(4096, 256, 8, 688, 4, 128), 4, 128),
     "large": (DecoderConfig(32000, 512, 8, 1376, 8, 512), 2, 512),
+    # The scale profile's SmolLM2-135M shape over one sequence of 1,024 tokens.
+    "smollm2": (SCALE_SHAPES["smollm2-135m"].config, 1, 1024),
 }
 # Scaling studies on the medium model: sequence length at batch 1, depth at batch 4 x 128.
 TOKEN_STEPS = (64, 128, 256, 512, 1024)
@@ -252,7 +255,7 @@ def render_bench(result: BenchResult) -> str:
         f"threads {result.threads} (the reference, numpy's BLAS and torch alike); "
         f"allocator {result.allocator}; "
         f"this machine's float64 matrix multiply: {result.matmul_gflops:.1f} GFLOP/s",
-        f"{'size':<7} {'reference':>10} {'torch':>9} {'ref/torch':>9} {'ref GFLOP/s':>14} "
+        f"{'size':<8} {'reference':>10} {'torch':>9} {'ref/torch':>9} {'ref GFLOP/s':>14} "
         f"{'torch GFLOP/s':>14} {'ref MiB':>8} {'torch MiB':>9} {'mem ratio':>9}",
     ]
     for name, measured in result.sizes.items():
@@ -265,7 +268,7 @@ def render_bench(result: BenchResult) -> str:
         time_ratio = _ratio(ref.median, torch.median if torch else None)
         memory_ratio = _ratio(ref.peak_mib, torch.peak_mib if torch else None)
         lines.append(
-            f"{name:<7} {ref.median:>9.4f}s {torch_time:>9} {time_ratio:>9} "
+            f"{name:<8} {ref.median:>9.4f}s {torch_time:>9} {time_ratio:>9} "
             f"{_rate(flops, ref, result):>14} {_rate(flops, torch, result):>14} "
             f"{ref_peak:>8} {torch_peak:>9} {memory_ratio:>9}"
         )

@@ -22,9 +22,10 @@ from typing import TextIO
 
 from conformance.files import write_atomically
 from conformance.known_failures import FOLDER as KNOWN_FAILURES
+from conformance.profiles import runs_rule
 from conformance.report import Report, RuleResult, first_line
 from conformance.session import ListedTests
-from spec.rules import RULES
+from spec.rules import RULES, Rule
 
 __all__ = [
     "DEFAULT_ADAPTERS",
@@ -181,6 +182,11 @@ def _note(column: Column, result: RuleResult) -> str | None:
     )
 
 
+def rules_of(profile: str) -> list[Rule]:
+    """The matrix's rows: the rules ``profile`` runs (the SCALE rules only at ``scale``)."""
+    return [rule for rule in RULES if runs_rule(profile, rule.id)]
+
+
 def render_markdown(columns: Sequence[Column], profile: str) -> str:
     """The matrix as Markdown: the status table, the backends, then every cell that did not
     pass (skips aside: those are the capabilities a backend lacks)."""
@@ -192,7 +198,7 @@ def render_markdown(columns: Sequence[Column], profile: str) -> str:
         "| rule | " + " | ".join(column.title for column in columns) + " |",
         "|---|" + "---|" * len(columns),
     ]
-    for rule in RULES:
+    for rule in rules_of(profile):
         cells = [_SHORT[column.status(rule.id)] for column in columns]
         lines.append(f"| {rule.id} | " + " | ".join(cells) + " |")
     lines += ["", "Backends:", ""]
@@ -223,7 +229,7 @@ def render_html(columns: Sequence[Column], profile: str) -> str:
         for c in columns
     )
     rows = []
-    for rule in RULES:
+    for rule in rules_of(profile):
         cells = []
         for column in columns:
             status = column.status(rule.id)
@@ -282,12 +288,12 @@ def read_statuses(text: str) -> dict[tuple[str, str], str]:
     return statuses
 
 
-def check_statuses(columns: Sequence[Column], text: str) -> list[str]:
+def check_statuses(columns: Sequence[Column], text: str, profile: str = "ci") -> list[str]:
     """Where this run's statuses differ from the matrix in ``text``: one line each."""
     recorded = read_statuses(text)
     differences = []
     for column in columns:
-        for rule in RULES:
+        for rule in rules_of(profile):
             now = _SHORT[column.status(rule.id)]
             before = recorded.get((column.title, rule.id))
             if before != now:

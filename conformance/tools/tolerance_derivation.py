@@ -22,7 +22,7 @@ import dataclasses
 import datetime
 import math
 import platform
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from spec.variants import scenario_parameters
 __all__ = [
     "SAFETY",
     "Measurement",
+    "calibrated_scale_cases",
     "conditioning_errors",
     "derivation_cases",
     "emulation_errors",
@@ -326,8 +327,50 @@ def calibrated_cases(precision: Precision) -> dict[str, dict[str, float]]:
         quantities = [Quantity.LOGITS] if rows is not None else list(Quantity)
         # A few roundings at least, should every seed happen to round kindly.
         floor = CASE_SAFETY * 4 * unit
-        bounds = {str(q): _round(max(CASE_SAFETY * worst[q], floor)) for q in quantities}
+        bounds = {str(q): round_up(max(CASE_SAFETY * worst[q], floor)) for q in quantities}
         calibrated[name] = bounds
+    return calibrated
+
+
+SCALE_SEEDS = 3
+
+
+def calibrated_scale_cases(
+    precision: Precision,
+    shapes: Iterable[str] | None = None,
+    *,
+    seeds: int = SCALE_SEEDS,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Bounds for the ``scale`` profile's shapes (``scale:NAME``), measured at each shape:
+    CASE_SAFETY x the emulation's largest error against the float64 reference over ``seeds``
+    seeds of the shape (parameters, tokens and targets all redrawn), never under CASE_SAFETY
+    x 4 u. Fewer seeds than a fixed case's CALIBRATION_SEEDS: at these sizes each seed's
+    worst is already the largest of millions of elements (the spread over seeds is printed)."""
+    if precision is Precision.FLOAT64:
+        return {}
+    from spec.scale import SCALE_SHAPES, scale_shape
+
+    say = progress or (lambda text: None)
+    unit = number_format(precision).unit_roundoff
+    calibrated: dict[str, dict[str, float]] = {}
+    for name in SCALE_SHAPES if shapes is None else shapes:
+        shape = scale_shape(name)
+        worst = dict.fromkeys(Quantity, 0.0)
+        for offset in range(seeds):
+            seeded = dataclasses.replace(shape, seed=shape.seed + offset)
+            tokens, targets = seeded.tokens_and_targets()
+            case = DerivationCase(shape.config, seeded.seed, shape.variant, tokens, targets)
+            errors = emulation_errors(case, precision)
+            say(
+                f"{precision} {name} seed {seeded.seed}: "
+                + ", ".join(f"{q} {e:.3g}" for q, e in errors.items())
+            )
+            worst = _larger(worst, errors)
+        floor = CASE_SAFETY * 4 * unit
+        calibrated[f"scale:{name}"] = {
+            str(q): round_up(max(CASE_SAFETY * worst[q], floor)) for q in Quantity
+        }
     return calibrated
 
 
@@ -353,15 +396,15 @@ def fit(
             "exponents": {
                 name: float(value) for name, value in zip(FEATURES, exponents, strict=True)
             },
-            "worst_ratio": _round(worst),
-            "median_ratio": _round(float(np.median(normalized))) if normalized.size else 0.0,
-            "coefficient": _round(max(worst, 1.0) * safety),
+            "worst_ratio": round_up(worst),
+            "median_ratio": round_up(float(np.median(normalized))) if normalized.size else 0.0,
+            "coefficient": round_up(max(worst, 1.0) * safety),
             "samples": int(normalized.size),
         }
     return fitted
 
 
-def _round(value: float) -> float:
+def round_up(value: float) -> float:
     """Three significant digits, rounded up (a coefficient never shrinks by rounding)."""
     if value <= 0:
         return 0.0
@@ -457,7 +500,9 @@ def render_derivation(
         f"  {name}: " + ", ".join(f"{q} {bound:.3g}" for q, bound in bounds.items())
         for precision, entry in table.items()
         for name, bounds in [
-            (f"{precision} {case}", b) for case, b in entry.get("cases", {}).items()
+            (f"{precision} {case}", b)
+            for case, b in entry.get("cases", {}).items()
+            if not case.startswith("scale:")  # shown with the scale shapes
         ]
     ]
     if cases:
@@ -471,10 +516,14 @@ def render_derivation(
     return "\n".join(lines) + "\n"
 
 
-def write_table(path: Path, table: dict[str, Any], command: str) -> None:
-    """Replace the committed table atomically."""
+def write_table(
+    path: Path, table: dict[str, Any], command: str, kept: dict[str, Any] | None = None
+) -> None:
+    """Replace the committed table atomically (with ``kept``: other top-level entries that
+    this derivation does not measure, carried over)."""
     import json
 
     from conformance.files import write_atomically
 
-    write_atomically(path, json.dumps(table_document(table, command), indent=2) + "\n")
+    document = table_document(table, command) | (kept or {})
+    write_atomically(path, json.dumps(document, indent=2) + "\n")

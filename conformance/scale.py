@@ -1,0 +1,137 @@
+"""What the ``scale`` profile's rules share: one shape's runs, computed once, held one at a time.
+
+At a scale shape each run is seconds to a minute, so the rules of a shape share them: the
+float64 reference's stages, logits, loss and gradients (the oracle), the backend's model, its
+forward pass and its loss. The plugin orders the tests shape by shape, and moving to another
+shape drops everything held for the previous one. The reference's own activations are freed
+before the backend runs: the suite holds at most one full set of activations at a time, and
+what it keeps are the outputs (the stages, the logits, the gradients).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from conformance.adapter import Backend, FloatArray, ForwardOutput, LossOutput
+from conformance.checks import Case
+from spec.scale import ScaleShape, scale_shape
+from spec.variants import scenario_parameters
+
+__all__ = ["ReferenceRun", "ShapeRuns", "reference_run", "runs_at"]
+
+
+@dataclass
+class ReferenceRun:
+    """The float64 reference's answers at one shape: the oracle of its rules."""
+
+    stages: list[tuple[str, FloatArray]]
+    logits: FloatArray
+    loss: float
+    gradients: dict[str, FloatArray]
+
+
+def reference_run(model: Any, tokens: Any, targets: Any) -> ReferenceRun:
+    """Forward, then loss and gradients, of an :class:`impl.model.DecoderModel`; the forward
+    pass's tape is dropped (its values copied) before the loss pass builds its own."""
+    result = model.forward(tokens)
+    stages = [(name, stage.value.copy()) for name, stage in result.stages()]
+    logits = result.logits.value.copy()
+    del result
+    loss = model.loss(tokens, targets)
+    model.zero_grad()
+    loss.backward(retain_graph=False)
+    gradients = {
+        p.name: np.zeros(p.shape) if p.tensor.grad is None else p.tensor.grad.copy()
+        for p in model.parameters()
+    }
+    model.zero_grad()
+    return ReferenceRun(stages, logits, float(loss.value), gradients)
+
+
+@dataclass
+class ShapeRuns:
+    """One shape's inputs and, computed on first use, its runs."""
+
+    shape: ScaleShape
+    backend: Backend
+    tokens: Any
+    targets: Any
+    _reference: ReferenceRun | None = None
+    _model: Any = None
+    _forward: ForwardOutput | None = None
+    _loss: LossOutput | None = None
+    _parameters: list[tuple[str, FloatArray]] = field(default_factory=list)
+
+    @property
+    def parameters(self) -> list[tuple[str, FloatArray]]:
+        """The shape's parameters (``spec.variants``), drawn once."""
+        if not self._parameters:
+            shape = self.shape
+            self._parameters = scenario_parameters(shape.config, shape.seed, shape.variant)
+        return self._parameters
+
+    def reference(self) -> ReferenceRun:
+        """The float64 reference's answers (its model is dropped once they are taken)."""
+        if self._reference is None:
+            from impl.kernels import buffers
+            from impl.model import DecoderModel
+
+            model = DecoderModel.from_parameters(self.shape.config, self.parameters)
+            self._reference = reference_run(model, self.tokens, self.targets)
+            del model
+            gc.collect()
+            buffers.release()  # the reference's reusable buffers go back before the backend runs
+        return self._reference
+
+    def model(self) -> Any:
+        """The backend's model of the shape's parameters."""
+        if self._model is None:
+            self._model = self.backend.build(self.shape.config, self.parameters)
+        return self._model
+
+    def forward(self) -> ForwardOutput:
+        """The backend's forward pass over the shape's tokens."""
+        if self._forward is None:
+            self._forward = self.backend.forward(self.model(), self.tokens)
+        return self._forward
+
+    def loss(self) -> LossOutput:
+        """The backend's loss (and, with GRADIENTS, gradients) over the shape's tokens."""
+        if self._loss is None:
+            self._loss = self.backend.loss(self.model(), self.tokens, self.targets)
+        return self._loss
+
+    def case(self, call: str = "backend.forward(model, tokens)", **notes: Any) -> Case:
+        """The reproduction of a check: the shape's parameters and tokens come from
+        ``spec.scale`` by name, not as literals (they are megabytes)."""
+        fetch = (
+            "from spec.scale import scale_shape\n"
+            f"tokens, targets = scale_shape({self.shape.name!r}).tokens_and_targets()"
+        )
+        return Case(
+            self.shape.config,
+            self.shape.seed,
+            call=f"{fetch}\n{call}",
+            notes={"shape": self.shape.name, **notes},
+            variant=self.shape.variant,
+        )
+
+
+_HELD: list[ShapeRuns] = []  # the current shape's runs only
+
+
+def runs_at(name: str, backend: Backend) -> ShapeRuns:
+    """The runs of shape ``name`` against ``backend``; another shape's are dropped first."""
+    if _HELD and _HELD[0].shape.name == name and _HELD[0].backend is backend:
+        return _HELD[0]
+    _HELD.clear()
+    gc.collect()
+    shape = scale_shape(name)
+    tokens, targets = shape.tokens_and_targets()
+    runs = ShapeRuns(shape, backend, tokens, targets)
+    _HELD.append(runs)
+    return runs

@@ -1,0 +1,185 @@
+"""Scale: the rules at the size of real models, with the float64 reference as the oracle.
+
+Run by ``--profile scale`` only (``conformance.profiles.runs_rule``), once per shape of
+:mod:`spec.scale` (``--scale-shape NAME``, repeatable; by default the three of real size).
+Each bound is the declared precision's, measured at the shape itself
+(:func:`spec.tolerances.scale_tolerance`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.adapter import Backend, Capability
+from conformance.checks import Judge
+from conformance.scale import ShapeRuns, runs_at
+from spec.parameters import EMBEDDING_NAME, parameter_count, parameter_names
+from spec.scale import DEFAULT_SCALE_SHAPES, SCALE_SHAPES
+from spec.tolerances import MissingScaleBound, Tolerance, scale_tolerance
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "shape_name" not in metafunc.fixturenames:
+        return
+    names = metafunc.config.getoption("scale_shape", None) or list(DEFAULT_SCALE_SHAPES)
+    unknown = [name for name in names if name not in SCALE_SHAPES]
+    if unknown:
+        raise pytest.UsageError(
+            f"--scale-shape {', '.join(unknown)}: no such shape; known: {', '.join(SCALE_SHAPES)}"
+        )
+    metafunc.parametrize("shape_name", list(dict.fromkeys(names)))
+
+
+def _runs(backend: Backend, shape_name: str) -> tuple[ShapeRuns, Tolerance]:
+    try:
+        bound = scale_tolerance(backend.precision, shape_name)
+    except MissingScaleBound as missing:  # no verdict either way: the bound is not known
+        pytest.skip(str(missing))
+    return runs_at(shape_name, backend), bound
+
+
+@pytest.mark.rule("SCALE-STAGES")
+def test_stages_match_the_reference_at_scale(
+    backend: Backend, judge: Judge, shape_name: str
+) -> None:
+    runs, bound = _runs(backend, shape_name)
+    got = dict(runs.forward().stages or [])
+    check = judge.on(runs.case())
+    for name, exact in runs.reference().stages:
+        if name not in got:
+            check.fail(f"stage {name}", "missing", f"shape {list(exact.shape)}")
+        check.close(f"stage {name}", got[name], exact, bound.stages)
+
+
+@pytest.mark.rule("SCALE-LOGITS")
+def test_logits_and_loss_match_the_reference_at_scale(
+    backend: Backend, judge: Judge, shape_name: str
+) -> None:
+    runs, bound = _runs(backend, shape_name)
+    judge.on(runs.case()).close(
+        "logits", runs.forward().logits, runs.reference().logits, bound.logits
+    )
+    judge.on(runs.case("backend.loss(model, tokens, targets)")).close(
+        "loss", runs.loss().loss, runs.reference().loss, bound.loss
+    )
+
+
+@pytest.mark.rule("SCALE-GRADIENTS")
+def test_gradients_match_the_reference_at_scale(
+    backend: Backend, judge: Judge, shape_name: str
+) -> None:
+    runs, bound = _runs(backend, shape_name)
+    got = runs.loss().gradients or {}
+    check = judge.on(runs.case("backend.loss(model, tokens, targets).gradients"))
+    for name, exact in runs.reference().gradients.items():
+        if name not in got:
+            check.fail(f"gradient of {name}", "missing", f"shape {list(exact.shape)}")
+        check.close(f"gradient of {name}", got[name], exact, bound.gradients)
+
+
+def _late_position(positions: int) -> int:
+    return positions - 1 - positions // 4
+
+
+@pytest.mark.rule("SCALE-CAUSALITY")
+def test_a_late_token_changes_no_earlier_row_at_scale(
+    backend: Backend, judge: Judge, shape_name: str
+) -> None:
+    """Prefix rows bitwise, over hundreds to thousands of positions: a mask applied after
+    a blocked kernel, or a cache indexed past its length, leaks at sizes like these."""
+    runs, _ = _runs(backend, shape_name)
+    position = _late_position(runs.shape.positions)
+    changed = runs.tokens.copy()
+    changed[0, position] = (changed[0, position] + 1) % runs.shape.config.vocabulary_size
+    before = np.asarray(runs.forward().logits)
+    after = np.asarray(backend.forward(runs.model(), changed).logits)
+    check = judge.on(runs.case(position=position))
+    check.same_bits(
+        f"logits rows 0-{position - 1} of sequence 0", after[0, :position], before[0, :position]
+    )
+    check.check(
+        not np.array_equal(after[0, position], before[0, position]),
+        f"logits row {position} of sequence 0 after its token changed",
+        "unchanged",
+        "changed",
+    )
+
+
+# Sequences this long at most are run as a batch of two when a shape has one sequence.
+_PAIR_LENGTH = 1024
+
+
+@pytest.mark.rule("SCALE-BATCH")
+def test_a_sequence_alone_matches_the_batch_at_scale(
+    backend: Backend, judge: Judge, shape_name: str
+) -> None:
+    runs, bound = _runs(backend, shape_name)
+    model = runs.model()
+    if runs.shape.batch > 1:
+        together = np.asarray(runs.forward().logits)
+        tokens = runs.tokens
+    else:
+        length = min(_PAIR_LENGTH, runs.shape.positions)
+        first = runs.tokens[0, :length]
+        tokens = np.stack([first, first[::-1]])
+        together = np.asarray(backend.forward(model, tokens).logits)
+    last = tokens.shape[0] - 1
+    alone = np.asarray(backend.forward(model, tokens[last : last + 1]).logits)
+    check = judge.on(runs.case(f"backend.forward(model, tokens[{last}:{last + 1}])"))
+    check.close(f"logits of sequence {last} run alone", alone[0], together[last], bound.logits)
+
+
+@pytest.mark.rule("SCALE-TYING")
+def test_one_table_serves_both_roles_at_scale(
+    backend: Backend, judge: Judge, shape_name: str
+) -> None:
+    """The stable names and count at a real model's depth, then one table row changed: its
+    logit column moves in rows that never looked it up, and nothing else there does."""
+    runs, _ = _runs(backend, shape_name)
+    config = runs.shape.config
+    check = judge.on(runs.case("backend.parameters(model)"))
+    named = backend.parameters(runs.model())
+    names = [name for name, _ in named]
+    expected = parameter_names(config)
+    check.check(names == expected, "parameter names", names, "the 2 + 9N stable names in order")
+    count = sum(int(np.size(value)) for _, value in named)
+    formula = f"{parameter_count(config)} (Vd + N(4d^2 + 3df + 2d) + d: one table, no head)"
+    check.check(count == parameter_count(config), "parameter scalars", count, formula)
+    del named
+    sequence = runs.tokens[0]
+    row = int(sequence[runs.shape.positions // 2])
+    first_use = int(np.argmax(sequence == row))
+    parameters = [
+        (name, value * np.where(np.arange(value.shape[0]) == row, -1.5, 1.0)[:, None])
+        if name == EMBEDDING_NAME
+        else (name, value)
+        for name, value in runs.parameters
+    ]
+    changed = backend.forward(backend.build(config, parameters), runs.tokens)
+    before = np.asarray(runs.forward().logits)[0]
+    after = np.asarray(changed.logits)[0]
+    check = judge.on(runs.case(row=row))
+    others = np.arange(config.vocabulary_size) != row
+    if first_use > 0:
+        check.same_bits(
+            f"logits rows 0-{first_use - 1}, columns other than {row}, after table row {row} "
+            "changed",
+            after[:first_use, others],
+            before[:first_use, others],
+        )
+        check.check(
+            not np.array_equal(after[:first_use, row], before[:first_use, row]),
+            f"logit column {row} in rows 0-{first_use - 1} after table row {row} changed",
+            "unchanged (the head does not read the table)",
+            "changed",
+        )
+    if Capability.STAGES in backend.capabilities and changed.stages is not None:
+        lookup = dict(changed.stages)["embedding"][0, first_use]
+        original = dict(runs.forward().stages or [])["embedding"][0, first_use]
+        check.check(
+            not np.array_equal(lookup, original),
+            f"embedding stage at position {first_use} (token {row}) after table row {row} changed",
+            "unchanged (the lookup does not read the table)",
+            "changed",
+        )

@@ -1,0 +1,93 @@
+"""The ``scale`` profile's named shapes: configurations the size of real models of this family.
+
+The suite's generated configurations are tiny because the mpmath oracle judges them. At a
+scale shape the float64 reference is the judge instead: its own error against mpmath is
+certified over the sizes mpmath reaches (``decoder-conformance tolerances derive --growth``)
+and extrapolated to each shape, where it stays orders of magnitude below the error a float32,
+bfloat16 or float16 backend is allowed (the bounds of ``tolerances derive --scale``, measured
+at each shape itself).
+
+Every shape is a function of its fields alone: the parameters are ``spec.variants``'s
+``varied`` variant for ``(config, seed)`` (gains of both signs between 0.25 and 2, matrices
+rescaled), and the tokens and targets are drawn from ``PCG64(seed)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from spec.config import DecoderConfig
+
+__all__ = ["DEFAULT_SCALE_SHAPES", "SCALE_SHAPES", "ScaleShape", "scale_shape"]
+
+IdArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class ScaleShape:
+    """One named shape: a configuration, a batch of ``batch`` sequences of ``positions``
+    tokens, the parameter seed, and what the shape stands for."""
+
+    name: str
+    config: DecoderConfig
+    batch: int
+    positions: int
+    seed: int
+    about: str
+    variant: str = "varied"
+
+    def tokens_and_targets(self) -> tuple[IdArray, IdArray]:
+        """The shape's ``[batch, positions]`` token IDs and targets."""
+        rng = np.random.Generator(np.random.PCG64(self.seed))
+        size = (self.batch, self.positions)
+        tokens = rng.integers(0, self.config.vocabulary_size, size=size, dtype=np.int64)
+        targets = rng.integers(0, self.config.vocabulary_size, size=size, dtype=np.int64)
+        return tokens, targets
+
+
+# fmt: off
+SCALE_SHAPES: dict[str, ScaleShape] = {shape.name: shape for shape in (
+    ScaleShape(
+        "smollm2-135m",
+        DecoderConfig(49152, 576, 9, 1536, 30, 2048, rope_base=100000.0, rms_epsilon=1e-5),
+        batch=2, positions=512, seed=135,
+        about="SmolLM2-135M: vocabulary 49,152, width 576, 9 heads of width 64, SwiGLU 1,536, "
+        "30 blocks, RoPE base 100,000 (with as many key/value heads as heads)",
+    ),
+    ScaleShape(
+        "long-context",
+        DecoderConfig(2048, 128, 2, 344, 2, 8192),
+        batch=1, positions=8192, seed=8192,
+        about="a shallow model over 8,192 positions: RoPE angles, masks and softmax rows "
+        "at lengths where caches sized for 2,048 or 4,096 end",
+    ),
+    ScaleShape(
+        "wide-vocabulary",
+        DecoderConfig(128256, 256, 4, 688, 2, 512, rope_base=500000.0),
+        batch=2, positions=128, seed=128256,
+        about="Llama 3.2's 128,256-entry vocabulary (tied in its 1B model): softmax and "
+        "the tied head over rows of 128,256 logits",
+    ),
+    ScaleShape(
+        "smoke",
+        DecoderConfig(512, 64, 4, 172, 2, 256),
+        batch=2, positions=64, seed=64,
+        about="a small shape for trying an adapter with the scale rules in seconds",
+    ),
+)}
+# fmt: on
+
+# What ``--profile scale`` runs when no shape is named: the three of the size of real models.
+DEFAULT_SCALE_SHAPES: tuple[str, ...] = ("smollm2-135m", "long-context", "wide-vocabulary")
+
+
+def scale_shape(name: str) -> ScaleShape:
+    """The named shape; a ``KeyError`` lists the known names."""
+    try:
+        return SCALE_SHAPES[name]
+    except KeyError:
+        known = ", ".join(SCALE_SHAPES)
+        raise KeyError(f"no scale shape {name!r}; known: {known}") from None

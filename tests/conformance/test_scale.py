@@ -1,0 +1,150 @@
+"""The scale profile: its selection, its bounds, and that its rules catch precision bugs.
+
+Run at the ``smoke`` shape (seconds); the shapes of real size are the maintainers' run
+(README, 'Scale').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conformance.profiles import runs_rule
+from conformance.runner import run_suite
+from conformance.scale import reference_run, runs_at
+from spec.formats import Precision
+from spec.rules import RULES, RuleCategory
+from spec.scale import DEFAULT_SCALE_SHAPES, SCALE_SHAPES, scale_shape
+from spec.tolerances import (
+    FLOAT64_SCALE_FACTOR,
+    MissingScaleBound,
+    Quantity,
+    reference_bound,
+    scale_tolerance,
+    tolerance_for,
+)
+
+HERE = Path(__file__).resolve().parent
+MUTANTS = HERE / "scale_mutants.py"
+SCALE_RULES = [rule.id for rule in RULES if rule.category is RuleCategory.SCALE]
+
+
+def _statuses(adapter: str, *shapes: str) -> dict[str, str]:
+    report = run_suite(adapter, profile="scale", scale_shapes=shapes or ("smoke",))
+    assert report.error == "", report.output[-2000:]
+    return {rule.id: rule.status for rule in report.rules if rule.status != "untested"}
+
+
+def test_the_scale_profile_runs_the_scale_rules_and_nothing_else() -> None:
+    for rule in RULES:
+        at_scale = rule.category is RuleCategory.SCALE
+        assert runs_rule("scale", rule.id) == (at_scale or rule.id == "ADAPTER-CONTRACT")
+        assert runs_rule("ci", rule.id) == (not at_scale)
+
+
+def test_the_reference_passes_every_scale_rule_at_the_smoke_shape() -> None:
+    statuses = _statuses("reference")
+    assert statuses == {"ADAPTER-CONTRACT": "passed", **dict.fromkeys(SCALE_RULES, "passed")}
+
+
+def test_torch_float32_passes_and_a_float16_rope_table_fails_scale_stages() -> None:
+    pytest.importorskip("torch")
+    assert set(_statuses("torch-float32").values()) == {"passed"}
+    broken = _statuses(f"{MUTANTS}:RopeTablesInFloat16")
+    assert broken["SCALE-STAGES"] == "failed"
+    assert broken["SCALE-CAUSALITY"] == broken["SCALE-TYING"] == "passed"  # only values move
+
+
+def test_a_float16_softmax_fails_scale_stages() -> None:
+    pytest.importorskip("torch")
+    assert _statuses(f"{MUTANTS}:SoftmaxInFloat16")["SCALE-STAGES"] == "failed"
+
+
+def test_an_unknown_shape_is_a_usage_error_naming_the_known_ones() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "run", "--profile", "scale",
+         "--scale-shape", "gpt-5"],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "gpt-5" in result.stderr + result.stdout
+    assert "smollm2-135m" in result.stderr + result.stdout
+
+
+def test_the_shapes_are_the_models_they_name() -> None:
+    smol = scale_shape("smollm2-135m").config
+    assert (smol.vocabulary_size, smol.model_width, smol.heads, smol.feed_forward_width) == (
+        49152, 576, 9, 1536,
+    )  # fmt: skip
+    assert (smol.layers, smol.head_width, smol.rope_base) == (30, 64, 100000.0)
+    assert scale_shape("long-context").positions == 8192
+    assert scale_shape("wide-vocabulary").config.vocabulary_size == 128256
+    assert set(DEFAULT_SCALE_SHAPES) <= set(SCALE_SHAPES)
+    with pytest.raises(KeyError, match="smollm2-135m"):
+        scale_shape("nope")
+
+
+def test_a_shape_is_a_function_of_its_fields() -> None:
+    shape = scale_shape("smoke")
+    first, second = shape.tokens_and_targets(), shape.tokens_and_targets()
+    assert all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
+    assert first[0].shape == (shape.batch, shape.positions)
+    other = dataclasses.replace(shape, seed=shape.seed + 1).tokens_and_targets()
+    assert not np.array_equal(first[0], other[0])
+
+
+def test_every_shape_has_a_measured_bound_for_float32() -> None:
+    for name in SCALE_SHAPES:
+        bound = scale_tolerance(Precision.FLOAT32, name)
+        assert 0 < bound.stages < 1 and 0 < bound.logits < 1
+
+
+def test_a_float64_backend_gets_twice_the_references_extrapolated_bound() -> None:
+    shape = scale_shape("smollm2-135m")
+    own = reference_bound(shape.config, shape.positions)
+    bound = scale_tolerance(Precision.FLOAT64, shape.name)
+    assert bound.stages == FLOAT64_SCALE_FACTOR * own[Quantity.STAGES]
+    assert bound.gradients == FLOAT64_SCALE_FACTOR * own[Quantity.GRADIENTS]
+    # The reference is an oracle for float32 there only if its own error is far below.
+    float32 = scale_tolerance(Precision.FLOAT32, shape.name)
+    assert own[Quantity.LOGITS] < 1e-3 * float32.logits
+
+
+def test_a_missing_bound_says_how_to_measure_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spec import tolerances
+
+    model = tolerance_for(Precision.BFLOAT16)
+    cases = {name: bounds for name, bounds in model.cases.items() if name != "scale:smoke"}
+    replaced = dataclasses.replace(model, cases=cases)
+    monkeypatch.setitem(tolerances._MODELS, Precision.BFLOAT16, replaced)
+    with pytest.raises(MissingScaleBound, match="tolerances derive --scale"):
+        scale_tolerance(Precision.BFLOAT16, "smoke")
+
+
+def test_the_reference_run_matches_separate_calls() -> None:
+    from impl.model import DecoderModel
+
+    shape = scale_shape("smoke")
+    tokens, targets = shape.tokens_and_targets()
+    runs = runs_at("smoke", object())  # type: ignore[arg-type]
+    model = DecoderModel.from_parameters(shape.config, runs.parameters)
+    run = reference_run(model, tokens, targets)
+    assert np.array_equal(run.logits, model.forward(tokens).logits.value)
+    assert run.loss == float(model.loss(tokens, targets).value)
+    assert run.stages[0][0] == "embedding"
+    assert len(run.gradients) == 2 + 9 * shape.config.layers
+
+
+def test_tolerances_show_prints_the_growth_fit_and_the_scale_bounds() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "tolerances", "show"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    assert "extrapolated to the scale shapes" in result.stdout
+    for name in SCALE_SHAPES:
+        assert f"  {name}" in result.stdout
