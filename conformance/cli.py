@@ -621,6 +621,14 @@ def _run_suite(options: argparse.Namespace) -> str:
         raise CommandLineError(
             f"{PROGRAM} run: -n needs pytest-xdist (pip install 'decoder-conformance[test]')"
         )
+    if options.scale_shape and options.profile != "scale":
+        raise CommandLineError(f"{PROGRAM} run: --scale-shape goes with --profile scale")
+    if options.workers and options.profile == "scale":
+        # Each worker would compute every shape's reference runs again, and hold them.
+        raise CommandLineError(
+            f"{PROGRAM} run: --profile scale runs on one process (a shape's rules share its "
+            "runs); leave out -n"
+        )
     # Every file argument is checked before the run starts, so no mistake costs a run.
     outputs = [("--json", options.json), ("--markdown", options.markdown)]
     for flag, target in outputs:

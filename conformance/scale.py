@@ -10,6 +10,8 @@ what it keeps are the outputs (the stages, the logits, the gradients).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +66,7 @@ class ShapeRuns:
     _model: Any = None
     _forward: ForwardOutput | None = None
     _loss: LossOutput | None = None
+    _loss_error: Exception | None = None
     _parameters: list[tuple[str, FloatArray]] = field(default_factory=list)
 
     @property
@@ -81,28 +84,45 @@ class ShapeRuns:
             from impl.model import DecoderModel
 
             model = DecoderModel.from_parameters(self.shape.config, self.parameters)
+            self._parameters = []  # the model holds its own copy; drawn again when needed
             self._reference = reference_run(model, self.tokens, self.targets)
             del model
             gc.collect()
             buffers.release()  # the reference's reusable buffers go back before the backend runs
+            _return_freed_memory()
         return self._reference
 
     def model(self) -> Any:
         """The backend's model of the shape's parameters."""
         if self._model is None:
             self._model = self.backend.build(self.shape.config, self.parameters)
+            self._parameters = []  # 1 GB at SmolLM2-135M's shape: drawn again if needed
+            _return_freed_memory()  # the conversions a build makes are gigabytes at this size
         return self._model
 
     def forward(self) -> ForwardOutput:
         """The backend's forward pass over the shape's tokens."""
         if self._forward is None:
+            # A backend's loss pass is its largest: run it first, while the least is held
+            # (hf-llama's reaches 7.5 GB over its model at SmolLM2-135M's shape).
+            with contextlib.suppress(Exception):  # reported by the rules that use the loss
+                self.loss()
             self._forward = self.backend.forward(self.model(), self.tokens)
+            _return_freed_memory()
         return self._forward
 
     def loss(self) -> LossOutput:
         """The backend's loss (and, with GRADIENTS, gradients) over the shape's tokens."""
         if self._loss is None:
-            self._loss = self.backend.loss(self.model(), self.tokens, self.targets)
+            if self._loss_error is not None:
+                raise self._loss_error
+            try:
+                self._loss = self.backend.loss(self.model(), self.tokens, self.targets)
+            except Exception as error:
+                self._loss_error = error
+                raise
+            finally:
+                _return_freed_memory()
         return self._loss
 
     def case(self, call: str = "backend.forward(model, tokens)", **notes: Any) -> Case:
@@ -121,6 +141,17 @@ class ShapeRuns:
         )
 
 
+def _return_freed_memory() -> None:
+    """Give the heap's freed pages back to the system (glibc's ``malloc_trim``): the
+    reference's freed activations, gigabytes at SmolLM2-135M's shape, otherwise stay resident
+    while the backend runs. Elsewhere nothing happens."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
+
+
 _HELD: list[ShapeRuns] = []  # the current shape's runs only
 
 
@@ -130,6 +161,7 @@ def runs_at(name: str, backend: Backend) -> ShapeRuns:
         return _HELD[0]
     _HELD.clear()
     gc.collect()
+    _return_freed_memory()
     shape = scale_shape(name)
     tokens, targets = shape.tokens_and_targets()
     runs = ShapeRuns(shape, backend, tokens, targets)

@@ -36,7 +36,9 @@ def _runs(backend: Backend, shape_name: str) -> tuple[ShapeRuns, Tolerance]:
         bound = scale_tolerance(backend.precision, shape_name)
     except MissingScaleBound as missing:  # no verdict either way: the bound is not known
         pytest.skip(str(missing))
-    return runs_at(shape_name, backend), bound
+    runs = runs_at(shape_name, backend)
+    runs.reference()  # first, so its activations are gone before the backend's model exists
+    return runs, bound
 
 
 @pytest.mark.rule("SCALE-STAGES")

@@ -165,30 +165,20 @@ def _oracle(case: DerivationCase) -> Exact:
 
 
 def _reference_run(model: DecoderModel, case: DerivationCase) -> Exact:
-    result = model.forward(case.tokens)
-    loss = model.loss(case.tokens, case.targets)
-    model.zero_grad()
-    loss.backward(retain_graph=False)
-    gradients = {
-        p.name: np.zeros(p.shape) if p.tensor.grad is None else p.tensor.grad.copy()
-        for p in model.parameters()
-    }
-    model.zero_grad()
-    return Exact(
-        [(name, stage.value) for name, stage in result.stages()],
-        result.logits.value,
-        float(loss.value),
-        gradients,
-    )
+    from conformance.scale import reference_run
+
+    run = reference_run(model, case.tokens, case.targets)
+    return Exact(run.stages, run.logits, run.loss, run.gradients)
 
 
 def _emulated_run(reference: DecoderModel, case: DerivationCase, precision: Precision) -> Exact:
     emulated = EmulatedModel(reference, precision)
     result = emulated.forward(case.tokens)
+    stages = [(name, stage.value) for name, stage in result.stages]
+    logits = result.logits.value
+    del result  # its tape, before the loss pass builds another
     loss, gradients = emulated.loss_and_gradients(case.tokens, case.targets)
-    return Exact(
-        [(name, stage.value) for name, stage in result.stages], result.logits.value, loss, gradients
-    )
+    return Exact(stages, logits, loss, gradients)
 
 
 def _errors(got: Exact, exact: Exact) -> dict[Quantity, float]:

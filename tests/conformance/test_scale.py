@@ -76,6 +76,22 @@ def test_an_unknown_shape_is_a_usage_error_naming_the_known_ones() -> None:
     assert "smollm2-135m" in result.stderr + result.stdout
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--scale-shape", "smoke"], "--scale-shape goes with --profile scale"),
+        (["--profile", "scale", "-n", "2"], "runs on one process"),
+    ],
+)
+def test_scale_options_out_of_place_are_refused(arguments: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "run", *arguments],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+
+
 def test_the_shapes_are_the_models_they_name() -> None:
     smol = scale_shape("smollm2-135m").config
     assert (smol.vocabulary_size, smol.model_width, smol.heads, smol.feed_forward_width) == (
