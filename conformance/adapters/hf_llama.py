@@ -145,7 +145,8 @@ class HFLlamaBackend(BackendBase):
             for name, p in hf.named_parameters()
         }
         gradients = {
-            name: np.asarray(value, dtype=np.float64) for name, value in HF_LLAMA.load(config, state)
+            name: np.asarray(value, dtype=np.float64)
+            for name, value in HF_LLAMA.load(config, state)
         }
         hf.zero_grad(set_to_none=True)
         return LossOutput(loss=float(loss.item()), gradients=gradients)

@@ -255,7 +255,7 @@ def render_bench(result: BenchResult) -> str:
         f"threads {result.threads} (the reference, numpy's BLAS and torch alike); "
         f"allocator {result.allocator}; "
         f"this machine's float64 matrix multiply: {result.matmul_gflops:.1f} GFLOP/s",
-        f"{'size':<8} {'reference':>10} {'torch':>9} {'ref/torch':>9} {'ref GFLOP/s':>14} "
+        f"{'size':<7} {'reference':>10} {'torch':>9} {'ref/torch':>9} {'ref GFLOP/s':>14} "
         f"{'torch GFLOP/s':>14} {'ref MiB':>8} {'torch MiB':>9} {'mem ratio':>9}",
     ]
     for name, measured in result.sizes.items():
@@ -268,7 +268,7 @@ def render_bench(result: BenchResult) -> str:
         time_ratio = _ratio(ref.median, torch.median if torch else None)
         memory_ratio = _ratio(ref.peak_mib, torch.peak_mib if torch else None)
         lines.append(
-            f"{name:<8} {ref.median:>9.4f}s {torch_time:>9} {time_ratio:>9} "
+            f"{name:<7} {ref.median:>9.4f}s {torch_time:>9} {time_ratio:>9} "
             f"{_rate(flops, ref, result):>14} {_rate(flops, torch, result):>14} "
             f"{ref_peak:>8} {torch_peak:>9} {memory_ratio:>9}"
         )

@@ -65,6 +65,18 @@ def test_a_float16_softmax_fails_scale_stages() -> None:
     assert _statuses(f"{MUTANTS}:SoftmaxInFloat16")["SCALE-STAGES"] == "failed"
 
 
+@pytest.mark.parametrize(
+    "mutant",
+    ["RopeTablesInBfloat16", "SoftmaxAccumulatedInFloat16", "Float32AccumulationInFloat64"],
+)
+def test_the_catalogues_precision_bugs_fail_scale_stages(mutant: str) -> None:
+    """Float32 bugs against a float32 bound measured at the shape, and float32 products in a
+    float64 backend against twice the reference's own extrapolated bound."""
+    statuses = _statuses(f"conformance.tools.mutants.precision:{mutant}")
+    assert statuses["SCALE-STAGES"] == "failed"
+    assert statuses["SCALE-CAUSALITY"] == "passed"
+
+
 def test_an_unknown_shape_is_a_usage_error_naming_the_known_ones() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "conformance.cli", "run", "--profile", "scale",
