@@ -221,7 +221,7 @@ def _add_suite_commands(commands: Any) -> None:
         "--growth",
         action="store_true",
         help="measure only how the float64 reference's error against mpmath grows with "
-        "width, depth, positions and vocabulary, and fit it (about 5 minutes)",
+        "width, depth, positions and vocabulary, and fit it (about 10 minutes)",
     )
     bench = commands.add_parser(
         "bench",
@@ -286,8 +286,9 @@ def _add_suite_commands(commands: Any) -> None:
         help="an adapter to include (repeatable; default: every shipped adapter)",
     )
     matrix.add_argument(
+        # Not scale: its shapes take minutes and gigabytes per adapter (run --profile scale).
         "--profile",
-        choices=("ci", "default", "thorough", "scale"),
+        choices=("ci", "default", "thorough"),
         default="ci",
         help="profile (ci)",
     )
@@ -607,6 +608,39 @@ def _text_file(command: str, flag: str, source: str) -> None:
         raise CommandLineError(f"{PROGRAM} {command}: {flag} {source}: {error.strerror}") from None
 
 
+def _check_scale_options(options: argparse.Namespace) -> None:
+    """The scale profile's options, before anything runs."""
+    import fnmatch
+
+    from conformance.profiles import SCALE_PROFILE, runs_rule
+    from spec.rules import RULES
+    from spec.scale import SCALE_SHAPES
+
+    at_scale = options.profile == SCALE_PROFILE
+    unknown = [name for name in options.scale_shape if name not in SCALE_SHAPES]
+    if unknown:
+        raise CommandLineError(
+            f"{PROGRAM} run: --scale-shape {', '.join(unknown)}: no such shape; known: "
+            f"{', '.join(SCALE_SHAPES)}"
+        )
+    if options.scale_shape and not at_scale:
+        raise CommandLineError(f"{PROGRAM} run: --scale-shape goes with --profile scale")
+    if options.workers and at_scale:
+        # Each worker would compute every shape's reference runs again, and hold them.
+        raise CommandLineError(
+            f"{PROGRAM} run: --profile scale runs on one process (a shape's rules share its "
+            "runs); leave out -n"
+        )
+    for pattern in options.rule:
+        matched = [r.id for r in RULES if fnmatch.fnmatchcase(r.id, pattern.upper())]
+        if matched and not any(runs_rule(options.profile, rule_id) for rule_id in matched):
+            where = "only at --profile scale" if not at_scale else "at every profile but scale"
+            raise CommandLineError(
+                f"{PROGRAM} run: --rule {pattern}: {', '.join(matched[:3])}"
+                f"{' ...' if len(matched) > 3 else ''} run {where}"
+            )
+
+
 def _run_suite(options: argparse.Namespace) -> str:
     """Run the suite; its progress and the rule table go to the terminal as they come."""
     import shlex
@@ -617,17 +651,10 @@ def _run_suite(options: argparse.Namespace) -> str:
     from conformance.runner import run_suite
     from conformance.session import DEFAULT_ADAPTER, ENVIRONMENT_VARIABLE
 
+    _check_scale_options(options)
     if options.workers and find_spec("xdist") is None:
         raise CommandLineError(
             f"{PROGRAM} run: -n needs pytest-xdist (pip install 'decoder-conformance[test]')"
-        )
-    if options.scale_shape and options.profile != "scale":
-        raise CommandLineError(f"{PROGRAM} run: --scale-shape goes with --profile scale")
-    if options.workers and options.profile == "scale":
-        # Each worker would compute every shape's reference runs again, and hold them.
-        raise CommandLineError(
-            f"{PROGRAM} run: --profile scale runs on one process (a shape's rules share its "
-            "runs); leave out -n"
         )
     # Every file argument is checked before the run starts, so no mistake costs a run.
     outputs = [("--json", options.json), ("--markdown", options.markdown)]
@@ -749,6 +776,10 @@ def _run_tolerances(options: argparse.Namespace) -> str:
             f"(numpy {made['numpy']}, Python {made['python']}); how: {made['explained_in']}",
             *(f"{name}: {entry['derivation']}" for name, entry in TABLE.items()),
         ]
+        provenance += [
+            f"scale bounds: written {entry['written']} by `{entry['command']}`"
+            for entry in made.get("scale", [])
+        ]
         text = render_derivation(TABLE)
         if "reference_growth" in DOCUMENT:
             from conformance.tools.reference_growth import render_growth, render_scale_bounds
@@ -758,6 +789,17 @@ def _run_tolerances(options: argparse.Namespace) -> str:
             provenance.append(f"reference_growth: {made_by}")
             text += "\n" + render_growth(growth) + "\n\n" + render_scale_bounds() + "\n"
         return text + "\n" + "\n".join(provenance) + "\n"
+    if (options.scale_shape or options.precision) and not options.scale:
+        raise CommandLineError(
+            f"{PROGRAM} tolerances derive: --scale-shape and --precision go with --scale"
+        )
+    if (options.scale or options.growth) and (
+        options.adapter or options.backend_command or options.configs
+    ):
+        raise CommandLineError(
+            f"{PROGRAM} tolerances derive: --scale and --growth measure the reference's own "
+            "instruments; --adapter, --backend-command and --configs do not go with them"
+        )
     if options.scale or options.growth:
         return _derive_at_scale(options)
     if options.adapter is None and options.backend_command is None:
@@ -798,10 +840,6 @@ def _derive_at_scale(options: argparse.Namespace) -> str:
             f"{PROGRAM} tolerances derive: --scale-shape {', '.join(unknown)}: no such shape; "
             f"known: {', '.join(SCALE_SHAPES)}"
         )
-    if (options.scale_shape or options.precision) and not options.scale:
-        raise CommandLineError(
-            f"{PROGRAM} tolerances derive: --scale-shape and --precision go with --scale"
-        )
     document = copy.deepcopy(DOCUMENT)
     today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     lines: list[str] = []
@@ -813,7 +851,6 @@ def _derive_at_scale(options: argparse.Namespace) -> str:
         points = reference_growth.measure_growth(progress=progress)
         command = f"{PROGRAM} tolerances derive --growth --write"
         document["reference_growth"] = reference_growth.growth_document(points, command)
-        document["reference_growth"]["written"] = today
         lines.append(reference_growth.render_growth(document["reference_growth"]))
     if options.scale:
         shapes = options.scale_shape or list(SCALE_SHAPES)
@@ -880,7 +917,8 @@ def _derive_tolerances(options: argparse.Namespace) -> str:
         path = Path(spec.__file__).parent / "derived_tolerances.json"
         command = f"{PROGRAM} tolerances derive --configs {count} --seed {options.seed}"
         kept = {key: DOCUMENT[key] for key in ("reference_growth",) if key in DOCUMENT}
-        derivation.write_table(path, table, command + " --write", kept)
+        scale = DOCUMENT["provenance"].get("scale")  # the scale bounds' own commands
+        derivation.write_table(path, table, command + " --write", kept, scale)
         text += f"wrote {path}\n"
     return text
 

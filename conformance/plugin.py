@@ -102,6 +102,13 @@ def pytest_configure(config: pytest.Config) -> None:
         max_examples=config.getoption("conformance_max_examples"),
         seed=None if seed is None else int(seed),
     )
+    from spec.scale import SCALE_SHAPES
+
+    unknown = [name for name in config.getoption("scale_shape") or [] if name not in SCALE_SHAPES]
+    if unknown:
+        raise pytest.UsageError(
+            f"--scale-shape {', '.join(unknown)}: no such shape; known: {', '.join(SCALE_SHAPES)}"
+        )
     for option in ("conformance_json", "conformance_markdown"):
         target = config.getoption(option)
         if target:
@@ -174,10 +181,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if listed is None or session.contract_broken:
             continue
         for number, entry in listed.unmatched():
+            if not _may_match_in_profile(entry):
+                continue  # written for another profile (the SCALE rules or the others)
             warning = pytest.PytestConfigWarning(
                 f"{listed.path.name} line {number} ({entry!r}) matches no test"
             )
             config.issue_config_time_warning(warning, stacklevel=2)
+
+
+def _may_match_in_profile(entry: str) -> bool:
+    """Whether an xfails or skips entry (a rule ID or a test-ID prefix) can match a test of
+    the selected profile."""
+    at_scale = active().name == "scale"
+    about_scale = entry.upper().startswith("SCALE-") or "test_scale" in entry
+    return about_scale == at_scale
 
 
 def _scale_shape_index(item: pytest.Item) -> int:

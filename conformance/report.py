@@ -7,6 +7,7 @@ JSON schema (``schema_version`` 2)::
       "backend": str, "backend_version": str, "precision": str, "capabilities": [str],
       "departures": [str],
       "suite_version": str, "profile": str, "examples": int, "seed": int | null,
+      "scale_shapes": [str],
       "environment": {"python": str, "numpy": str, "hypothesis": str, "pytest": str,
                       "platform": str},
       "contract": {"checked": bool, "violations": [str]},
@@ -117,6 +118,14 @@ class SuiteIdentity:
     seed: int | None = None
     environment: dict[str, str] = field(default_factory=dict)
     departures: list[str] = field(default_factory=list)
+    scale_shapes: list[str] = field(default_factory=list)  # the scale profile's shapes
+
+    def describe_profile(self) -> str:
+        """``profile ci, 15 examples a property, derandomized``, or the scale shapes."""
+        if self.scale_shapes:
+            return f"profile {self.profile}, shapes {', '.join(self.scale_shapes)}"
+        seed = "derandomized" if self.seed is None else f"seed {self.seed}"
+        return f"profile {self.profile}, {self.examples} examples a property, {seed}"
 
 
 @dataclass
@@ -164,13 +173,23 @@ def _status(result: RuleResult) -> str:
 
 @dataclass
 class RuleTally:
-    """Accumulates test outcomes per rule, in registry order."""
+    """Accumulates test outcomes per rule, in registry order (the rules of the profile:
+    :func:`for_profile`)."""
 
     results: dict[str, RuleResult] = field(
         default_factory=lambda: {
             r.id: RuleResult(r.id, str(r.category), r.statement) for r in RULES
         }
     )
+
+    @classmethod
+    def for_profile(cls, profile: str) -> RuleTally:
+        """A tally of the rules ``profile`` runs (the SCALE rules only at ``scale``)."""
+        from conformance.profiles import runs_rule
+
+        chosen = [r for r in RULES if runs_rule(profile, r.id)]
+        return cls({r.id: RuleResult(r.id, str(r.category), r.statement) for r in chosen})
+
     _messages: dict[str, dict[str, str]] = field(default_factory=dict)
     coverage: InputCoverage = field(default_factory=InputCoverage)
 
@@ -237,9 +256,8 @@ def render_table(tally: RuleTally, identity: SuiteIdentity) -> str:
         )
     if len(shown) < len(results):
         lines.append(
-            f"({len(untested)} rules untested: not selected, not in the profile (the SCALE "
-            "rules run at --profile scale only, the others everywhere else), or not run after "
-            "a broken contract; the JSON and Markdown reports list them)"
+            f"({len(untested)} rules untested: not selected, or not run after a broken "
+            "contract; the JSON and Markdown reports list them)"
         )
     lines.append(_counts_line(tally.summary()))
     return "\n".join(lines) + "\n"
@@ -266,6 +284,7 @@ def _document(
         "profile": identity.profile,
         "examples": identity.examples,
         "seed": identity.seed,
+        "scale_shapes": identity.scale_shapes,
         "environment": identity.environment,
         "contract": {"checked": contract is not None, "violations": list(contract or [])},
         "summary": tally.summary(),
@@ -305,15 +324,13 @@ def render_markdown(
     tally: RuleTally, identity: SuiteIdentity, contract: list[str] | None = None
 ) -> str:
     """The report as Markdown: a table, then every failure with its message and reproduction."""
-    seed = "derandomized" if identity.seed is None else f"seed {identity.seed}"
     lines = [
         f"# Conformance report: {_cell(identity.backend)} {_cell(identity.backend_version)}",
         "",
         f"Precision {identity.precision}; "
         f"capabilities: {', '.join(identity.capabilities) or 'none'}; "
         f"{_departures_clause(identity)}"
-        f"suite {identity.suite_version}; profile {identity.profile} "
-        f"({identity.examples} examples a property, {seed}).",
+        f"suite {identity.suite_version}; {identity.describe_profile()}.",
         "",
         "| rule | category | status | time (s) | detail |",
         "|---|---|---|---:|---|",
@@ -399,6 +416,7 @@ class Report:
                 seed=None if document["seed"] is None else int(document["seed"]),
                 environment={str(k): str(v) for k, v in document["environment"].items()},
                 departures=[str(d) for d in document.get("departures", [])],
+                scale_shapes=[str(s) for s in document.get("scale_shapes", [])],
             )
             rules = [
                 RuleResult(

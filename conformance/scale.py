@@ -20,6 +20,7 @@ import numpy as np
 
 from conformance.adapter import Backend, FloatArray, ForwardOutput, LossOutput
 from conformance.checks import Case
+from conformance.guard import AdapterFault
 from spec.scale import ScaleShape, scale_shape
 from spec.variants import scenario_parameters
 
@@ -66,7 +67,7 @@ class ShapeRuns:
     _model: Any = None
     _forward: ForwardOutput | None = None
     _loss: LossOutput | None = None
-    _loss_error: Exception | None = None
+    _loss_error: BaseException | None = None
     _parameters: list[tuple[str, FloatArray]] = field(default_factory=list)
 
     @property
@@ -105,7 +106,7 @@ class ShapeRuns:
         if self._forward is None:
             # A backend's loss pass is its largest: run it first, while the least is held
             # (hf-llama's reaches 7.5 GB over its model at SmolLM2-135M's shape).
-            with contextlib.suppress(Exception):  # reported by the rules that use the loss
+            with contextlib.suppress(Exception, AdapterFault):  # the loss's rules report it
                 self.loss()
             self._forward = self.backend.forward(self.model(), self.tokens)
             _return_freed_memory()
@@ -118,8 +119,9 @@ class ShapeRuns:
                 raise self._loss_error
             try:
                 self._loss = self.backend.loss(self.model(), self.tokens, self.targets)
-            except Exception as error:
-                self._loss_error = error
+            except (Exception, AdapterFault) as error:
+                # Kept without its frames, which hold the adapter's activations.
+                self._loss_error = error.with_traceback(None)
                 raise
             finally:
                 _return_freed_memory()
@@ -129,6 +131,7 @@ class ShapeRuns:
         """The reproduction of a check: the shape's parameters and tokens come from
         ``spec.scale`` by name, not as literals (they are megabytes)."""
         fetch = (
+            "import numpy as np\n"
             "from spec.scale import scale_shape\n"
             f"tokens, targets = scale_shape({self.shape.name!r}).tokens_and_targets()"
         )

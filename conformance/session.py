@@ -34,7 +34,7 @@ from conformance.coverage import RECORDER as COVERAGE_RECORDER
 from conformance.coverage import render_coverage
 from conformance.files import write_atomically
 from conformance.guard import GuardedBackend
-from conformance.profiles import active
+from conformance.profiles import SCALE_PROFILE, active
 from conformance.report import (
     RuleTally,
     SuiteIdentity,
@@ -164,9 +164,13 @@ class SuiteSession:
         self.expected_failures = ListedTests.read(Path(xfails)) if xfails else None
         self.skips = ListedTests.read(Path(skips), "--skips-file") if skips else None
         self.rule_patterns: list[str] = list(config.getoption("rule") or [])
+        from spec.scale import DEFAULT_SCALE_SHAPES
+
+        chosen = config.getoption("scale_shape") or list(DEFAULT_SCALE_SHAPES)
+        self.scale_shapes: list[str] = list(dict.fromkeys(chosen))
         self.contract_enabled = not config.getoption("no_contract_check")
         self.contract: list[dict[str, Any]] | None = None  # None: not checked
-        self.tally = RuleTally()
+        self.tally = RuleTally.for_profile(active().name)
         self.ran = False
         self._backend: Backend | None = None
         self._guarded: GuardedBackend | None = None
@@ -211,6 +215,7 @@ class SuiteSession:
             profile=selection.name,
             examples=selection.examples,
             seed=None if selection.derandomized else selection.seed,
+            scale_shapes=self.scale_shapes if selection.name == SCALE_PROFILE else [],
             environment={
                 "python": platform.python_version(),
                 "numpy": _package_version("numpy"),
@@ -284,7 +289,6 @@ class SuiteSession:
     def announce(self, terminal: Any) -> None:
         """The line that says what is checked, and what the contract check found."""
         identity = self.identity()
-        seed = "derandomized" if identity.seed is None else f"seed {identity.seed}"
         if self.contract is None:
             contract = "not checked (--no-contract-check)"
         elif not self.contract:
@@ -297,8 +301,7 @@ class SuiteSession:
         terminal.write_line(
             f"decoder-conformance {identity.suite_version}: checking "
             f"{terminal_safe(identity.backend)} {terminal_safe(identity.backend_version)} "
-            f"({identity.precision}); profile {identity.profile}, {identity.examples} examples "
-            f"a property, {seed}; adapter contract: {contract}"
+            f"({identity.precision}); {identity.describe_profile()}; adapter contract: {contract}"
         )
         terminal.write_line(f"capabilities: {', '.join(identity.capabilities) or 'none'}")
         if identity.departures:

@@ -132,7 +132,7 @@ RULES: tuple[Rule, ...] = (
     Rule("GOLDEN-VALUES", "On every golden case, every stage, the logits and the loss match the golden file within tolerance.", C.GOLDEN, "golden/ (issue 5)"),
     Rule("GOLDEN-GRADIENTS", "On every golden case, every parameter's gradient matches the golden file within tolerance.", C.GOLDEN, "golden/ (issue 5)", needs=(K.GRADIENTS,)),
     Rule("SCALE-STAGES", "At each scale shape, every stage agrees with the float64 reference within the bound measured for the declared precision at that shape.", C.SCALE, _SCALE, needs=(K.STAGES,)),
-    Rule("SCALE-LOGITS", "At each scale shape, the logits and the loss agree with the float64 reference within the bounds measured at that shape.", C.SCALE, _SCALE),
+    Rule("SCALE-LOGITS", "At each scale shape, the logits and the loss agree with the float64 reference within the shape's bounds for the declared precision.", C.SCALE, _SCALE),
     Rule("SCALE-GRADIENTS", "At each scale shape, every parameter's gradient agrees with the float64 reference within the bound measured at that shape.", C.SCALE, _SCALE, needs=(K.GRADIENTS,)),
     Rule("SCALE-CAUSALITY", "At each scale shape, changing the token at a late position leaves every earlier logit row bitwise unchanged and changes its own row.", C.SCALE, _SCALE),
     Rule("SCALE-BATCH", "At each scale shape, a sequence run alone gives the logits it has in the batch, within the shape's bound.", C.SCALE, _SCALE),

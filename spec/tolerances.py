@@ -32,6 +32,7 @@ from spec.formats import Precision, number_format
 
 __all__ = [
     "DOCUMENT",
+    "FLOAT64_SCALE_FACTOR",
     "TABLE",
     "Growth",
     "MissingScaleBound",
@@ -195,12 +196,14 @@ class MissingScaleBound(LookupError):
     """No bound was measured for this precision at this scale shape."""
 
 
-def reference_bound(config: DecoderConfig, positions: int) -> dict[Quantity, float]:
+def reference_bound(
+    config: DecoderConfig, positions: int, growth: Mapping[str, Any] | None = None
+) -> dict[Quantity, float]:
     """The float64 reference's own error bound (stages, logits, loss) at ``config`` over
     ``positions`` tokens: the growth fitted by ``tolerances derive --growth`` over the sizes
     mpmath reaches (DOCUMENT["reference_growth"]), extrapolated to this size; gradients from
     the float64 error model (fitted over the 1000 generated cases), likewise extrapolated."""
-    growth = DOCUMENT.get("reference_growth")
+    growth = DOCUMENT.get("reference_growth") if growth is None else growth
     if growth is None:
         raise MissingScaleBound(
             "spec/derived_tolerances.json has no reference_growth: run "
@@ -241,9 +244,13 @@ def scale_tolerance(precision: Precision | str, name: str) -> Tolerance:
     measured = chosen.cases.get(f"scale:{name}")
     if measured is None:
         raise MissingScaleBound(
-            f"no {chosen.precision} bound was measured at scale shape {name!r}: run "
-            f"`decoder-conformance tolerances derive --scale --write`"
+            f"no {chosen.precision} bound was measured at scale shape {name!r}; a maintainer "
+            f"measures it with `decoder-conformance tolerances derive --scale --scale-shape "
+            f"{name} --precision {chosen.precision} --write` (minutes; it rewrites "
+            "spec/derived_tolerances.json)"
         )
+    if any(q not in measured for q in Quantity):
+        raise MissingScaleBound(f"the {chosen.precision} bound at {name!r} lacks a quantity")
     return Tolerance(**{str(q): measured[q] for q in Quantity})
 
 

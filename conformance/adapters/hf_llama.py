@@ -138,16 +138,11 @@ class HFLlamaBackend(BackendBase):
         # Targets are aligned with positions here; transformers' own loss would shift them.
         loss = mean_nll(logits, targets, config.vocabulary_size)
         torch.autograd.backward([loss])
-        # Widened one tensor at a time, after the layout change: at SmolLM2-135M's size a
-        # whole float64 state beside its converted copy is 2 GB.
         state = {
-            name: (torch.zeros_like(p) if p.grad is None else p.grad).float().numpy()
+            name: (torch.zeros_like(p) if p.grad is None else p.grad).double().numpy()
             for name, p in hf.named_parameters()
         }
-        gradients = {
-            name: np.asarray(value, dtype=np.float64)
-            for name, value in HF_LLAMA.load(config, state)
-        }
+        gradients = dict(HF_LLAMA.load(config, state))
         hf.zero_grad(set_to_none=True)
         return LossOutput(loss=float(loss.item()), gradients=gradients)
 

@@ -20,6 +20,7 @@ stores it in ``spec/derived_tolerances.json`` under ``reference_growth``.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,7 +36,17 @@ from spec.oracle import oracle_forward, to_float64
 from spec.tolerances import Quantity, scaled_error
 from spec.variants import scenario_parameters
 
-__all__ = ["BASE", "SEEDS", "GrowthPoint", "fit_growth", "measure_growth", "sweep"]
+__all__ = [
+    "BASE",
+    "SEEDS",
+    "GrowthPoint",
+    "fit_growth",
+    "growth_document",
+    "measure_growth",
+    "render_growth",
+    "render_scale_bounds",
+    "sweep",
+]
 
 # Width 32 (4 heads of 8), SwiGLU 64, 2 blocks, 32 positions, vocabulary 64: about 2 s of
 # oracle per run, so each sweep can go 3 to 8 times past it in one direction.
@@ -165,6 +176,7 @@ def growth_document(points: list[GrowthPoint], command: str) -> dict[str, Any]:
     """What ``derived_tolerances.json`` keeps under ``reference_growth``."""
     return {
         "command": command,
+        "written": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
         "base": {**BASE.as_dict(), "positions": BASE_POSITIONS},
         "seeds": len({point.seed for point in points if point.sweep == "base"}),
         "safety": SAFETY,
@@ -178,9 +190,8 @@ def render_growth(growth: dict[str, Any]) -> str:
     """The study as text: the sweep's worst error per point, the fit, and the extrapolated
     bound of the reference's own error at every scale shape."""
     from spec.scale import SCALE_SHAPES
-    from spec.tolerances import Growth
+    from spec.tolerances import reference_bound
 
-    unit = number_format(Precision.FLOAT64).unit_roundoff
     lines = [
         "the float64 reference against the "
         f"{growth['oracle_digits']}-digit mpmath oracle, one feature swept at a time from "
@@ -206,10 +217,9 @@ def render_growth(growth: dict[str, Any]) -> str:
         "fit: error <= c * u * (depth+1)^a * width^b * positions^p * vocabulary^v, "
         f"c = {growth['safety']:g} x the worst error / (u f):"
     )
-    models = {}
+    models = list(growth["quantities"])
     for quantity, fitted in growth["quantities"].items():
         exponents = fitted["exponents"]
-        models[quantity] = (fitted["coefficient"], Growth(**exponents))
         lines.append(
             f"  {quantity:<9} a {exponents['depth']:.2f}  b {exponents['width']:.2f}  "
             f"p {exponents['positions']:.2f}  v {exponents['vocabulary']:.2f}  "
@@ -218,10 +228,8 @@ def render_growth(growth: dict[str, Any]) -> str:
         )
     lines.append("extrapolated to the scale shapes (the reference's own error bound):")
     for name, shape in SCALE_SHAPES.items():
-        bounds = ", ".join(
-            f"{quantity} {coefficient * unit * growth_of(shape.config, shape.positions):.2e}"
-            for quantity, (coefficient, growth_of) in models.items()
-        )
+        own = reference_bound(shape.config, shape.positions, growth)
+        bounds = ", ".join(f"{quantity} {own[Quantity(quantity)]:.2e}" for quantity in models)
         lines.append(f"  {name}: {bounds}")
     return "\n".join(lines)
 
@@ -236,6 +244,7 @@ def _describe_base(base: dict[str, Any]) -> str:
 def render_scale_bounds() -> str:
     """Per scale shape: the reference's own extrapolated bound and each precision's bound
     measured at the shape, with how far the first stays below the second."""
+    from conformance.tools.tolerance_derivation import CASE_SAFETY, SCALE_SEEDS
     from spec.scale import SCALE_SHAPES
     from spec.tolerances import (
         FLOAT64_SCALE_FACTOR,
@@ -248,7 +257,8 @@ def render_scale_bounds() -> str:
     lines = [
         "scale shapes (spec/scale.py), judged against the float64 reference: a float32, "
         "bfloat16 or float16 backend within the bound measured at the shape (tolerances "
-        "derive --scale: 6 x the emulation's worst over 3 seeds), a float64 backend within "
+        f"derive --scale: {CASE_SAFETY:g} x the emulation's worst over {SCALE_SEEDS} seeds), "
+        "a float64 backend within "
         f"{FLOAT64_SCALE_FACTOR:g} x the reference's own extrapolated bound (stages, logits, "
         "loss from the growth fit above; gradients from the float64 model);",
         "headroom: the precision's bound / the reference's own, the smallest over the quantities",

@@ -43,6 +43,7 @@ from spec.variants import scenario_parameters
 
 __all__ = [
     "SAFETY",
+    "SCALE_SEEDS",
     "Measurement",
     "calibrated_scale_cases",
     "conditioning_errors",
@@ -51,6 +52,7 @@ __all__ = [
     "fit",
     "measure",
     "render_derivation",
+    "round_up",
     "table_document",
 ]
 
@@ -507,13 +509,19 @@ def render_derivation(
 
 
 def write_table(
-    path: Path, table: dict[str, Any], command: str, kept: dict[str, Any] | None = None
+    path: Path,
+    table: dict[str, Any],
+    command: str,
+    kept: dict[str, Any] | None = None,
+    scale_provenance: list[dict[str, str]] | None = None,
 ) -> None:
     """Replace the committed table atomically (with ``kept``: other top-level entries that
-    this derivation does not measure, carried over)."""
+    this derivation does not measure, carried over, and the scale bounds' provenance)."""
     import json
 
     from conformance.files import write_atomically
 
     document = table_document(table, command) | (kept or {})
+    if scale_provenance:
+        document["provenance"]["scale"] = scale_provenance
     write_atomically(path, json.dumps(document, indent=2) + "\n")

@@ -18,7 +18,7 @@ from conformance.profiles import runs_rule
 from conformance.runner import run_suite
 from conformance.scale import reference_run, runs_at
 from spec.formats import Precision
-from spec.rules import RULES, RuleCategory
+from spec.rules import RULES, RuleCategory, rules_in
 from spec.scale import DEFAULT_SCALE_SHAPES, SCALE_SHAPES, scale_shape
 from spec.tolerances import (
     FLOAT64_SCALE_FACTOR,
@@ -31,13 +31,17 @@ from spec.tolerances import (
 
 HERE = Path(__file__).resolve().parent
 MUTANTS = HERE / "scale_mutants.py"
-SCALE_RULES = [rule.id for rule in RULES if rule.category is RuleCategory.SCALE]
+SCALE_RULES = [rule.id for rule in rules_in(RuleCategory.SCALE)]
 
 
 def _statuses(adapter: str, *shapes: str) -> dict[str, str]:
+    """Every rule of the scale profile's report (its rules and the adapter contract only)."""
     report = run_suite(adapter, profile="scale", scale_shapes=shapes or ("smoke",))
     assert report.error == "", report.output[-2000:]
-    return {rule.id: rule.status for rule in report.rules if rule.status != "untested"}
+    statuses = {rule.id: rule.status for rule in report.rules}
+    assert set(statuses) == {"ADAPTER-CONTRACT", *SCALE_RULES}
+    assert report.identity is not None and report.identity.scale_shapes == list(shapes or ["smoke"])
+    return statuses
 
 
 def test_the_scale_profile_runs_the_scale_rules_and_nothing_else() -> None:
@@ -83,9 +87,20 @@ def test_an_unknown_shape_is_a_usage_error_naming_the_known_ones() -> None:
          "--scale-shape", "gpt-5"],
         capture_output=True, text=True, check=False, timeout=120,
     )  # fmt: skip
-    assert result.returncode != 0
-    assert "gpt-5" in result.stderr + result.stdout
-    assert "smollm2-135m" in result.stderr + result.stdout
+    assert result.returncode == 2, result.stderr
+    assert "--scale-shape gpt-5: no such shape" in result.stderr
+    assert "smollm2-135m" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_pytest_itself_refuses_an_unknown_shape() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs",
+         "conformance.test_scale", "--conformance-profile", "scale", "--scale-shape", "gpt-5"],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout[-2000:]
+    assert "no such shape" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -93,6 +108,8 @@ def test_an_unknown_shape_is_a_usage_error_naming_the_known_ones() -> None:
     [
         (["--scale-shape", "smoke"], "--scale-shape goes with --profile scale"),
         (["--profile", "scale", "-n", "2"], "runs on one process"),
+        (["--rule", "SCALE-*"], "run only at --profile scale"),
+        (["--profile", "scale", "--rule", "VALUE-LOGITS"], "at every profile but scale"),
     ],
 )
 def test_scale_options_out_of_place_are_refused(arguments: list[str], message: str) -> None:
@@ -150,7 +167,7 @@ def test_a_missing_bound_says_how_to_measure_it(monkeypatch: pytest.MonkeyPatch)
     cases = {name: bounds for name, bounds in model.cases.items() if name != "scale:smoke"}
     replaced = dataclasses.replace(model, cases=cases)
     monkeypatch.setitem(tolerances._MODELS, Precision.BFLOAT16, replaced)
-    with pytest.raises(MissingScaleBound, match="tolerances derive --scale"):
+    with pytest.raises(MissingScaleBound, match="--scale-shape smoke --precision bfloat16"):
         scale_tolerance(Precision.BFLOAT16, "smoke")
 
 
@@ -173,6 +190,28 @@ def test_tolerances_show_prints_the_growth_fit_and_the_scale_bounds() -> None:
         [sys.executable, "-m", "conformance.cli", "tolerances", "show"],
         capture_output=True, text=True, check=True, timeout=120,
     )  # fmt: skip
-    assert "extrapolated to the scale shapes" in result.stdout
+    growth, _, bounds = result.stdout.partition("scale shapes (spec/scale.py)")
+    assert "extrapolated to the scale shapes" in growth
     for name in SCALE_SHAPES:
-        assert f"  {name}" in result.stdout
+        assert f"  {name}: stages" in growth
+        assert f"  {name} (V=" in bounds
+    float32 = scale_tolerance(Precision.FLOAT32, "smollm2-135m")
+    assert f"float32   stages {float32.stages:.3g}" in bounds
+    assert "headroom" in bounds
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--precision", "float32"], "go with --scale"),
+        (["--scale", "--configs", "10"], "do not go with them"),
+        (["--scale", "--scale-shape", "nope"], "no such shape"),
+    ],
+)
+def test_derive_refuses_scale_options_out_of_place(arguments: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "tolerances", "derive", *arguments],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
