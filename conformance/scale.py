@@ -16,15 +16,13 @@ import gc
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from conformance.adapter import Backend, FloatArray, ForwardOutput, LossOutput
 from conformance.checks import Case
 from conformance.guard import AdapterFault
 from spec.scale import ScaleShape, scale_shape
 from spec.variants import scenario_parameters
 
-__all__ = ["ReferenceRun", "ShapeRuns", "reference_run", "runs_at"]
+__all__ = ["ReferenceRun", "ShapeRuns", "runs_at"]
 
 
 @dataclass
@@ -35,24 +33,6 @@ class ReferenceRun:
     logits: FloatArray
     loss: float
     gradients: dict[str, FloatArray]
-
-
-def reference_run(model: Any, tokens: Any, targets: Any) -> ReferenceRun:
-    """Forward, then loss and gradients, of an :class:`impl.model.DecoderModel`; the forward
-    pass's tape is dropped (its values copied) before the loss pass builds its own."""
-    result = model.forward(tokens)
-    stages = [(name, stage.value.copy()) for name, stage in result.stages()]
-    logits = result.logits.value.copy()
-    del result
-    loss = model.loss(tokens, targets)
-    model.zero_grad()
-    loss.backward(retain_graph=False)
-    gradients = {
-        p.name: np.zeros(p.shape) if p.tensor.grad is None else p.tensor.grad.copy()
-        for p in model.parameters()
-    }
-    model.zero_grad()
-    return ReferenceRun(stages, logits, float(loss.value), gradients)
 
 
 @dataclass
@@ -81,15 +61,20 @@ class ShapeRuns:
     def reference(self) -> ReferenceRun:
         """The float64 reference's answers (its model is dropped once they are taken)."""
         if self._reference is None:
-            from impl.kernels import buffers
-            from impl.model import DecoderModel
+            # Through its adapter: the suite itself imports no implementation.
+            from conformance.adapters.reference import ReferenceBackend, release_buffers
 
-            model = DecoderModel.from_parameters(self.shape.config, self.parameters)
+            oracle = ReferenceBackend()
+            model = oracle.build(self.shape.config, self.parameters)
             self._parameters = []  # the model holds its own copy; drawn again when needed
-            self._reference = reference_run(model, self.tokens, self.targets)
-            del model
+            forward = oracle.forward(model, self.tokens)  # its tape is gone once it returns
+            loss = oracle.loss(model, self.tokens, self.targets)
+            self._reference = ReferenceRun(
+                forward.stages or [], forward.logits, loss.loss, loss.gradients or {}
+            )
+            del model, forward, loss
             gc.collect()
-            buffers.release()  # the reference's reusable buffers go back before the backend runs
+            release_buffers()  # the reference's reusable buffers go back before the backend runs
             _return_freed_memory()
         return self._reference
 

@@ -25,7 +25,7 @@ from spec.config import DecoderConfig
 from spec.recipe import SplitMix64
 from spec.tolerances import Precision
 
-__all__ = ["ReferenceBackend", "dense_gradients", "refusals"]
+__all__ = ["ReferenceBackend", "dense_gradients", "refusals", "release_buffers"]
 
 
 @contextmanager
@@ -107,3 +107,11 @@ class ReferenceBackend(BackendBase):
         gradients = dense_gradients(model)
         model.zero_grad()
         return LossOutput(loss=float(value.value), gradients=gradients)
+
+
+def release_buffers() -> None:
+    """Drop the reference's cached buffers that nothing refers to (``impl.kernels.buffers``):
+    gigabytes after a pass at a scale shape."""
+    from impl.kernels import buffers
+
+    buffers.release()

@@ -167,10 +167,14 @@ def _oracle(case: DerivationCase) -> Exact:
 
 
 def _reference_run(model: DecoderModel, case: DerivationCase) -> Exact:
-    from conformance.scale import reference_run
+    """Forward, then loss and gradients: the forward pass's tape is gone before the loss pass
+    builds its own (ReferenceBackend returns copies)."""
+    from conformance.adapters.reference import ReferenceBackend
 
-    run = reference_run(model, case.tokens, case.targets)
-    return Exact(run.stages, run.logits, run.loss, run.gradients)
+    backend = ReferenceBackend()
+    forward = backend.forward(model, case.tokens)
+    loss = backend.loss(model, case.tokens, case.targets)
+    return Exact(forward.stages or [], forward.logits, loss.loss, loss.gradients or {})
 
 
 def _emulated_run(reference: DecoderModel, case: DerivationCase, precision: Precision) -> Exact:

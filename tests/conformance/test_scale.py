@@ -16,7 +16,7 @@ import pytest
 
 from conformance.profiles import runs_rule
 from conformance.runner import run_suite
-from conformance.scale import reference_run, runs_at
+from conformance.scale import runs_at
 from spec.formats import Precision
 from spec.rules import RULES, RuleCategory, rules_in
 from spec.scale import DEFAULT_SCALE_SHAPES, SCALE_SHAPES, scale_shape
@@ -171,17 +171,19 @@ def test_a_missing_bound_says_how_to_measure_it(monkeypatch: pytest.MonkeyPatch)
         scale_tolerance(Precision.BFLOAT16, "smoke")
 
 
-def test_the_reference_run_matches_separate_calls() -> None:
+def test_the_shapes_reference_run_is_the_reference_model() -> None:
     from impl.model import DecoderModel
+    from spec.variants import scenario_parameters
 
     shape = scale_shape("smoke")
     tokens, targets = shape.tokens_and_targets()
-    runs = runs_at("smoke", object())  # type: ignore[arg-type]
-    model = DecoderModel.from_parameters(shape.config, runs.parameters)
-    run = reference_run(model, tokens, targets)
+    run = runs_at("smoke", object()).reference()  # type: ignore[arg-type]
+    model = DecoderModel.from_parameters(
+        shape.config, scenario_parameters(shape.config, shape.seed, shape.variant)
+    )
     assert np.array_equal(run.logits, model.forward(tokens).logits.value)
     assert run.loss == float(model.loss(tokens, targets).value)
-    assert run.stages[0][0] == "embedding"
+    assert [name for name, _ in run.stages] == [name for name, _ in model.forward(tokens).stages()]
     assert len(run.gradients) == 2 + 9 * shape.config.layers
 
 
