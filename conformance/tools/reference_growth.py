@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.tools.tolerance_derivation import round_up as _round_up
+from conformance.tools.tolerance_derivation import ORACLE_DIGITS, fit_quantity
 from impl.model import DecoderModel
 from spec.config import DecoderConfig
 from spec.formats import Precision, number_format
@@ -54,9 +54,7 @@ BASE = DecoderConfig(64, 32, 4, 64, 2, 32)
 BASE_POSITIONS = 32
 SEEDS = 3
 SAFETY = 4.0
-ORACLE_DIGITS = 30
 FORWARD_QUANTITIES = (Quantity.STAGES, Quantity.LOGITS, Quantity.LOSS)
-FEATURES = ("depth", "width", "positions", "vocabulary")
 
 
 @dataclass(frozen=True)
@@ -151,25 +149,14 @@ def fit_growth(points: Iterable[GrowthPoint], safety: float = SAFETY) -> dict[st
     chosen = list(points)
     unit = number_format(Precision.FLOAT64).unit_roundoff
     features = np.log(np.asarray([point.features() for point in chosen]))
-    fitted: dict[str, Any] = {}
-    for quantity in FORWARD_QUANTITIES:
-        ratios = np.asarray([point.errors[str(quantity)] for point in chosen]) / unit
-        positive = ratios > 0
-        exponents = np.zeros(len(FEATURES))
-        if positive.sum() > len(FEATURES) + 1:
-            design = np.column_stack([np.ones(int(positive.sum())), features[positive]])
-            solution, *_ = np.linalg.lstsq(design, np.log(ratios[positive]), rcond=None)
-            exponents = np.maximum(np.round(solution[1:], 2), 0.0)
-        normalized = ratios / np.exp(features @ exponents)
-        worst = float(np.max(normalized))
-        fitted[str(quantity)] = {
-            "exponents": dict(zip(FEATURES, (float(e) for e in exponents), strict=True)),
-            "worst_ratio": _round_up(worst),
-            "median_ratio": _round_up(float(np.median(normalized))),
-            "coefficient": _round_up(max(worst, 1.0) * safety),
-            "samples": len(chosen),
-        }
-    return fitted
+    return {
+        str(quantity): fit_quantity(
+            features,
+            np.asarray([point.errors[str(quantity)] for point in chosen]) / unit,
+            safety,
+        )
+        for quantity in FORWARD_QUANTITIES
+    }
 
 
 def growth_document(points: list[GrowthPoint], command: str) -> dict[str, Any]:

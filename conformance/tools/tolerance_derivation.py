@@ -50,6 +50,7 @@ __all__ = [
     "derivation_cases",
     "emulation_errors",
     "fit",
+    "fit_quantity",
     "measure",
     "render_derivation",
     "round_up",
@@ -376,28 +377,35 @@ def fit(
     """Each quantity's exponents, coefficient and the ratios they came from."""
     unit = number_format(precision).unit_roundoff
     features = np.log(np.asarray(measured.features[precision]))
-    fitted: dict[str, dict[str, Any]] = {}
-    for quantity in Quantity:
-        ratios = np.asarray(measured.errors[precision][quantity]) / unit
-        positive = ratios > 0
-        exponents = np.zeros(len(FEATURES))
-        if positive.sum() > len(FEATURES) + 1:
-            design = np.column_stack([np.ones(int(positive.sum())), features[positive]])
-            solution, *_ = np.linalg.lstsq(design, np.log(ratios[positive]), rcond=None)
-            exponents = np.maximum(np.round(solution[1:], 2), 0.0)
-        growth = np.exp(features @ exponents)
-        normalized = ratios / growth
-        worst = float(np.max(normalized)) if normalized.size else 0.0
-        fitted[str(quantity)] = {
-            "exponents": {
-                name: float(value) for name, value in zip(FEATURES, exponents, strict=True)
-            },
-            "worst_ratio": round_up(worst),
-            "median_ratio": round_up(float(np.median(normalized))) if normalized.size else 0.0,
-            "coefficient": round_up(max(worst, 1.0) * safety),
-            "samples": int(normalized.size),
-        }
-    return fitted
+    return {
+        str(quantity): fit_quantity(
+            features, np.asarray(measured.errors[precision][quantity]) / unit, safety
+        )
+        for quantity in Quantity
+    }
+
+
+def fit_quantity(
+    log_features: npt.NDArray[np.float64], ratios: npt.NDArray[np.float64], safety: float
+) -> dict[str, Any]:
+    """One quantity's fit from ``log(features)`` (a row per run, in FEATURES order) and its
+    ``error / u`` per run: the exponents (least squares on the logarithm, clamped at 0), the
+    worst and median ``error / (u f)``, and the coefficient ``safety x max(worst, 1)``."""
+    positive = ratios > 0
+    exponents = np.zeros(len(FEATURES))
+    if positive.sum() > len(FEATURES) + 1:
+        design = np.column_stack([np.ones(int(positive.sum())), log_features[positive]])
+        solution, *_ = np.linalg.lstsq(design, np.log(ratios[positive]), rcond=None)
+        exponents = np.maximum(np.round(solution[1:], 2), 0.0)
+    normalized = ratios / np.exp(log_features @ exponents)
+    worst = float(np.max(normalized)) if normalized.size else 0.0
+    return {
+        "exponents": {name: float(value) for name, value in zip(FEATURES, exponents, strict=True)},
+        "worst_ratio": round_up(worst),
+        "median_ratio": round_up(float(np.median(normalized))) if normalized.size else 0.0,
+        "coefficient": round_up(max(worst, 1.0) * safety),
+        "samples": int(normalized.size),
+    }
 
 
 def round_up(value: float) -> float:
