@@ -18,6 +18,7 @@ import pytest
 
 from conformance.adapter import Backend, Refusal
 from conformance.coverage import RECORDER
+from conformance.margins import RECORDER as MARGINS
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
 from spec.tolerances import scaled_error
@@ -156,6 +157,13 @@ class Judge:
         )
         over = ~(errors <= tolerance)
         if not over.any():
+            if errors.size:
+                worst = float(np.max(errors))
+                kind = "scaled error" if scale is None else "error of the terms' scale"
+                MARGINS.note(
+                    worst / tolerance if tolerance > 0 else 0.0,
+                    f"{what}: {kind} {worst:.2e} of {tolerance:.2e}",
+                )
             return
         worst = int(np.argmax(np.where(np.isnan(errors), np.inf, errors)))
         index = tuple(int(i) for i in np.unravel_index(worst, errors.shape))

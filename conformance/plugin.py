@@ -223,10 +223,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     """An adapter fault is reported by its message alone: what raised, where, on what call."""
     outcome: Any = yield
     if _is_conformance_test(item):
+        from conformance import margins
         from conformance.coverage import PROPERTY, RECORDER
 
-        # This test's share of what the run sent, carried to the controller with the report.
-        outcome.get_result().user_properties.append((PROPERTY, RECORDER.take()))
+        # This test's share of what the run sent, and how close its passing checks came to
+        # their bounds, carried to the controller with the report.
+        properties = outcome.get_result().user_properties
+        properties.append((PROPERTY, RECORDER.take()))
+        closest = margins.RECORDER.take()
+        if closest is not None:
+            properties.append((margins.PROPERTY, closest))
     if call.excinfo is not None and _is_conformance_test(item):
         from conformance.guard import AdapterFault
 

@@ -16,7 +16,8 @@ JSON schema (``schema_version`` 2)::
       "rules": [{"id": str, "category": str, "statement": str, "status": str,
                  "duration": float, "tests": int, "message": str,
                  "results": [{"test": str, "outcome": str, "duration": float}],
-                 "reproduction": str | null}],
+                 "reproduction": str | null,
+                 "closest_to_bound": {"fraction": float, "check": str, "test": str} | null}],
       "coverage": {"calls": {str: int}, "kinds_requested": {str: int},
                    "token_inputs": {str: int}, "parameter_dtypes": {str: int},
                    "models_with_other_gains": int, "models_with_unit_gains": int,
@@ -30,7 +31,9 @@ fail, and at least one test did; ``message`` then starts with how many passed), 
 (listed as expected, yet every test passed), and ``untested`` (no test ran). ``message``
 holds the first failure, or the skip reason, or is empty. ``seed`` is null for a
 derandomized run (profile ``ci``), whose examples are fixed per test. ``reproduction`` is a
-script that reruns the first failing test and exits 1 while it fails. ``coverage`` is what
+script that reruns the first failing test and exits 1 while it fails. ``closest_to_bound``
+is the largest ``error / tolerance`` of the rule's passing tolerance checks, the check and the
+test (:mod:`conformance.margins`; null for a rule with none). ``coverage`` is what
 the run sent (:mod:`conformance.coverage`); a reader accepts a report without it.
 """
 
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conformance.coverage import InputCoverage
+from conformance.margins import describe_closest
 from conformance.protocol import printable
 from spec.rules import RULES
 
@@ -150,6 +154,8 @@ class RuleResult:
     message: str = ""
     results: list[TestResult] = field(default_factory=list)
     reproduction: str | None = None
+    # The passing checks' closest approach to their bounds: fraction, check, test.
+    closest: dict[str, Any] | None = None
 
     def count(self, outcome: str) -> int:
         """How many of the rule's tests ended in ``outcome``."""
@@ -211,6 +217,19 @@ class RuleTally:
             own = f"{passed} of {result.count('xfailed') + passed} passed; {own}"
         result.message = own
 
+    def note_closest(self, rule_id: str, closest: dict[str, Any], test: str) -> None:
+        """One test's closest approach to a bound (:mod:`conformance.margins`), kept if
+        it is the rule's closest so far."""
+        result = self.results.get(rule_id)
+        fraction = float(closest.get("fraction", -1.0))
+        if result is None or (result.closest and result.closest["fraction"] >= fraction):
+            return
+        result.closest = {
+            "fraction": fraction,
+            "check": str(closest.get("check", "")),
+            "test": test,
+        }
+
     def summary(self) -> dict[str, int]:
         """How many rules ended in each status."""
         counts = dict.fromkeys(STATUSES, 0)
@@ -228,6 +247,15 @@ def _status_text(result: RuleResult) -> str:
         passed = result.count("xpassed")
         return f"xfailed, {passed} of {passed + result.count('xfailed')} passed"
     return result.status
+
+
+def _detail(result: RuleResult) -> str:
+    """A rule's first line: its failure or skip, or how close a pass came to its bound."""
+    if result.status != "passed":
+        return first_line(result.message, DETAIL_WIDTH)
+    return (
+        "" if result.closest is None else first_line(describe_closest(result.closest), DETAIL_WIDTH)
+    )
 
 
 def render_table(tally: RuleTally, identity: SuiteIdentity) -> str:
@@ -249,7 +277,7 @@ def render_table(tally: RuleTally, identity: SuiteIdentity) -> str:
         else [r for r in results if r.status != "untested"]
     )
     for result in shown:
-        detail = "" if result.status == "passed" else first_line(result.message, DETAIL_WIDTH)
+        detail = _detail(result)
         lines.append(
             f"{result.id:<{id_width}}  {_status_text(result):<{status_width}}  "
             f"{result.duration:>6.2f}s  {terminal_safe(detail)}".rstrip()
@@ -303,6 +331,7 @@ def _document(
                     for t in r.results
                 ],
                 "reproduction": r.reproduction,
+                "closest_to_bound": r.closest,
             }
             for r in tally.results.values()
         ],
@@ -336,7 +365,7 @@ def render_markdown(
         "|---|---|---|---:|---|",
     ]
     for r in tally.results.values():
-        detail = "" if r.status == "passed" else _cell(first_line(r.message, DETAIL_WIDTH))
+        detail = _cell(_detail(r))
         lines.append(
             f"| `{r.id}` | {r.category} | {_status_text(r)} | {r.duration:.2f} | {detail} |"
         )
@@ -355,6 +384,19 @@ def render_markdown(
 
 class ReportError(ValueError):
     """A JSON report that does not follow the schema."""
+
+
+def _closest(entry: object) -> dict[str, Any] | None:
+    """A rule's ``closest_to_bound`` as read back (absent in older reports)."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        raise ReportError(f"closest_to_bound must be an object, got {type(entry).__name__}")
+    return {
+        "fraction": float(entry["fraction"]),
+        "check": str(entry["check"]),
+        "test": str(entry["test"]),
+    }
 
 
 @dataclass
@@ -432,6 +474,7 @@ class Report:
                         for t in r["results"]
                     ],
                     reproduction=None if r["reproduction"] is None else str(r["reproduction"]),
+                    closest=_closest(r.get("closest_to_bound")),
                 )
                 for r in document["rules"]
             ]

@@ -34,6 +34,7 @@ from conformance.coverage import RECORDER as COVERAGE_RECORDER
 from conformance.coverage import render_coverage
 from conformance.files import write_atomically
 from conformance.guard import GuardedBackend
+from conformance.margins import PROPERTY as MARGIN_PROPERTY
 from conformance.profiles import SCALE_PROFILE, active
 from conformance.report import (
     RuleTally,
@@ -343,6 +344,9 @@ class SuiteSession:
         if isinstance(share, dict):
             self.tally.coverage.merge(share)
         rule_id = properties.get("rule")
+        closest = properties.get(MARGIN_PROPERTY)
+        if rule_id is not None and isinstance(closest, dict):
+            self.tally.note_closest(str(rule_id), closest, report.nodeid)
         verdict = outcome(report) if rule_id is not None else None
         if verdict is None:
             return

@@ -123,3 +123,23 @@ def test_a_bound_case_adds_a_reproduction_that_runs() -> None:
     namespace: dict[str, object] = {}
     exec("\n".join(line[4:] for line in snippet.splitlines()[1:]), namespace)
     assert np.asarray(namespace["output"].logits).shape == (1, 3, 5)  # type: ignore[attr-defined]
+
+
+def test_a_passing_close_records_how_much_of_its_bound_it_used() -> None:
+    from conformance.margins import RECORDER
+
+    RECORDER.take()
+    judge().close("logits", [1.0, 2.0], [1.0, 2.0 + 2.5e-4], 1e-3)  # 2.5e-4 / 2: 12.5%
+    judge().close("stage block-0", [0.5], [0.5 + 4e-4], 1e-3)
+    closest = RECORDER.take()
+    assert closest is not None and closest["fraction"] == pytest.approx(0.4)
+    assert closest["check"] == "stage block-0: scaled error 4.00e-04 of 1.00e-03"
+    assert RECORDER.take() is None  # taken: the next test starts afresh
+
+
+def test_a_failing_close_records_no_margin() -> None:
+    from conformance.margins import RECORDER
+
+    RECORDER.take()
+    failure(lambda: judge().close("logits", [1.0], [1.5], 1e-3))
+    assert RECORDER.take() is None

@@ -133,3 +133,27 @@ def test_json_reads_back_into_the_same_report() -> None:
 def test_a_report_that_breaks_the_schema_is_refused(text: str) -> None:
     with pytest.raises(ReportError):
         Report.from_json(text, status=0)
+
+
+def test_a_passing_rule_shows_and_keeps_its_closest_approach_to_its_bound() -> None:
+    tally = RuleTally()
+    tally.record("VALUE-LOGITS", "passed", 0.1, "", "test_a")
+    tally.note_closest("VALUE-LOGITS", {"fraction": 0.12, "check": "logits: a"}, "test_a")
+    tally.note_closest("VALUE-LOGITS", {"fraction": 0.47, "check": "logits: b"}, "test_b")
+    tally.note_closest("VALUE-LOGITS", {"fraction": 0.3, "check": "logits: c"}, "test_c")
+    closest = tally.results["VALUE-LOGITS"].closest
+    assert closest == {"fraction": 0.47, "check": "logits: b", "test": "test_b"}
+    line = next(x for x in render_table(tally, IDENTITY).splitlines() if "VALUE-LOGITS" in x)
+    assert "closest to its bound: 47% (logits: b)" in line
+    assert "closest to its bound: 47%" in render_markdown(tally, IDENTITY)
+    back = Report.from_json(render_json(tally, IDENTITY), status=0)
+    assert back.rule("VALUE-LOGITS").closest == closest
+    assert back.rule("VALUE-STAGES").closest is None
+
+
+def test_a_failed_rule_shows_its_failure_not_its_margin() -> None:
+    tally = RuleTally()
+    tally.record("VALUE-LOGITS", "failed", 0.1, "[VALUE-LOGITS] logits=1, but should be 2")
+    tally.note_closest("VALUE-LOGITS", {"fraction": 0.5, "check": "logits"}, "test_a")
+    line = next(x for x in render_table(tally, IDENTITY).splitlines() if "VALUE-LOGITS" in x)
+    assert "closest" not in line and "should be 2" in line
