@@ -181,13 +181,20 @@ def _counts(counter: Mapping[str, int]) -> str:
     return ", ".join(f"{name} {count}" for name, count in counter.items()) or "none"
 
 
-def render_coverage(coverage: Mapping[str, Any]) -> str:
-    """The coverage section of the terminal report: a few lines, from an :meth:`as_dict`."""
+def render_coverage(coverage: Mapping[str, Any], *, refusals_asked: bool = True) -> str:
+    """The coverage section of the terminal report: a few lines, from an :meth:`as_dict`.
+    ``refusals_asked=False`` (the scale profile, whose rules ask for none) does not list
+    the kinds never requested."""
     calls = coverage["calls"]
     requested = coverage["kinds_requested"]
     missing = [str(kind) for kind in ADAPTER_KINDS if str(kind) not in requested]
     kinds = f"{len(ADAPTER_KINDS) - len(missing)} of {len(ADAPTER_KINDS)}"
-    kinds += f"; never: {', '.join(missing)}" if missing else " (every kind an adapter refuses)"
+    if not refusals_asked:
+        kinds += " (this profile's rules ask for none)"
+    elif missing:
+        kinds += f"; never: {', '.join(missing)}"
+    else:
+        kinds += " (every kind an adapter refuses)"
     ranges = ", ".join(
         f"{name} {low}" + (f"-{high}" if high != low else "")
         for name, (low, high) in coverage["size_ranges"].items()

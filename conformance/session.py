@@ -365,7 +365,9 @@ class SuiteSession:
             terminalreporter.section("decoder-conformance rules")
             terminalreporter.write(render_table(self.tally, self.identity()))
             terminalreporter.section("decoder-conformance input coverage")
-            terminalreporter.write(render_coverage(self.tally.coverage.as_dict()))
+            at_scale = active().name == SCALE_PROFILE
+            coverage = self.tally.coverage.as_dict()
+            terminalreporter.write(render_coverage(coverage, refusals_asked=not at_scale))
 
     def _reproductions(self) -> dict[str, str]:
         scripts = {}

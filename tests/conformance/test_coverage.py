@@ -74,3 +74,10 @@ def test_the_section_names_the_kinds_never_requested() -> None:
     record.requested(ADAPTER_KINDS[0])
     assert "(every kind an adapter refuses)" in render_coverage(record.as_dict())
     assert record.missing_kinds() == []
+
+
+def test_a_profile_that_asks_for_no_refusals_does_not_list_them_as_missing() -> None:
+    text = render_coverage(InputCoverage().as_dict(), refusals_asked=False)
+    total = len(ADAPTER_KINDS)
+    assert f"error kinds requested: 0 of {total} (this profile's rules ask for none)" in text
+    assert "never:" not in text
