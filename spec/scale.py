@@ -7,9 +7,12 @@ and extrapolated to each shape, where it stays orders of magnitude below the err
 bfloat16 or float16 backend is allowed (the bounds of ``tolerances derive --scale``, measured
 at each shape itself).
 
-Every shape is a function of its fields alone: the parameters are ``spec.variants``'s
-``varied`` variant for ``(config, seed)`` (gains of both signs between 0.25 and 2, matrices
-rescaled), and the tokens and targets are drawn from ``PCG64(seed)``.
+Every shape is a function of its fields alone: the parameters are the recipe's for
+``(config, seed)`` (Xavier-uniform matrices, gains 1), and the tokens and targets are drawn
+from ``PCG64(seed)``. Not the ``varied`` variant the generated cases also use: its rescaled
+matrices and gains compound over 30 blocks, and measured at SmolLM2-135M's shape they made
+the emulation's worst float32 stage error 115 times and its bfloat16 one 44 times the
+recipe's, so that a 16-bit backend's values could hardly fail there.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class ScaleShape:
     positions: int
     seed: int
     about: str
-    variant: str = "varied"
+    variant: str = "recipe"
 
     def tokens_and_targets(self) -> tuple[IdArray, IdArray]:
         """The shape's ``[batch, positions]`` token IDs and targets."""

@@ -143,10 +143,16 @@ def test_a_shape_is_a_function_of_its_fields() -> None:
     assert not np.array_equal(first[0], other[0])
 
 
-def test_every_shape_has_a_measured_bound_for_float32() -> None:
+def test_every_shape_has_a_measured_bound_at_every_narrow_precision() -> None:
     for name in SCALE_SHAPES:
-        bound = scale_tolerance(Precision.FLOAT32, name)
-        assert 0 < bound.stages < 1 and 0 < bound.logits < 1
+        float32, float16, bfloat16 = (
+            scale_tolerance(precision, name)
+            for precision in (Precision.FLOAT32, Precision.FLOAT16, Precision.BFLOAT16)
+        )
+        # Measured, not assumed: the formats' unit roundoffs order the bounds.
+        assert 0 < float32.stages < float16.stages < bfloat16.stages, name
+        assert 0 < float32.logits < float16.logits < bfloat16.logits, name
+        assert float32.stages < 1e-2 and float32.logits < 1e-3, name
 
 
 def test_a_float64_backend_gets_twice_the_references_extrapolated_bound() -> None:
