@@ -777,7 +777,8 @@ def _run_tolerances(options: argparse.Namespace) -> str:
             *(f"{name}: {entry['derivation']}" for name, entry in TABLE.items()),
         ]
         provenance += [
-            f"scale bounds: written {entry['written']} by `{entry['command']}`"
+            f"scale bounds, {entry['precision']} at {', '.join(entry['shapes'])}: "
+            f"written {entry['written']} by `{entry['command']}`"
             for entry in made.get("scale", [])
         ]
         text = render_derivation(TABLE)
@@ -829,7 +830,10 @@ def _derive_at_scale(options: argparse.Namespace) -> str:
     import spec
     from conformance.files import write_atomically
     from conformance.tools import reference_growth
-    from conformance.tools.tolerance_derivation import calibrated_scale_cases
+    from conformance.tools.tolerance_derivation import (
+        calibrated_scale_cases,
+        record_scale_provenance,
+    )
     from spec.formats import Precision
     from spec.scale import SCALE_SHAPES
     from spec.tolerances import DOCUMENT
@@ -865,8 +869,12 @@ def _derive_at_scale(options: argparse.Namespace) -> str:
         arguments = "".join(f" --scale-shape {n}" for n in options.scale_shape) + "".join(
             f" --precision {p}" for p in options.precision
         )
-        document["provenance"].setdefault("scale", []).append(
-            {"command": f"{PROGRAM} tolerances derive --scale{arguments} --write", "written": today}
+        document["provenance"]["scale"] = record_scale_provenance(
+            document["provenance"].get("scale", []),
+            precisions,
+            shapes,
+            f"{PROGRAM} tolerances derive --scale{arguments} --write",
+            today,
         )
     text = "\n".join(lines) + "\n"
     if options.write:

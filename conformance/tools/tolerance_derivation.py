@@ -52,6 +52,7 @@ __all__ = [
     "fit",
     "fit_quantity",
     "measure",
+    "record_scale_provenance",
     "render_derivation",
     "round_up",
     "table_document",
@@ -450,6 +451,35 @@ def table_document(table: dict[str, Any], command: str) -> dict[str, Any]:
         },
         "precisions": table,
     }
+
+
+def record_scale_provenance(
+    entries: list[dict[str, Any]],
+    precisions: list[str],
+    shapes: list[str],
+    command: str,
+    written: str,
+) -> list[dict[str, Any]]:
+    """The scale bounds' provenance after a derivation that measured ``shapes`` at
+    ``precisions``: one entry per precision naming the shapes it wrote, and every earlier
+    entry without the bounds this one replaces (dropped once it names none). So each
+    (precision, shape) bound is credited to the one command that wrote it."""
+    kept: list[dict[str, Any]] = []
+    for entry in entries:
+        if "precision" not in entry or "shapes" not in entry:
+            continue  # an entry from before bounds were credited one by one: nothing to credit
+        remaining = (
+            [shape for shape in entry["shapes"] if shape not in shapes]
+            if entry["precision"] in precisions
+            else list(entry["shapes"])
+        )
+        if remaining:
+            kept.append(entry | {"shapes": remaining})
+    kept += [
+        {"precision": precision, "shapes": list(shapes), "command": command, "written": written}
+        for precision in precisions
+    ]
+    return kept
 
 
 def derivation_text(precision: Precision, fitted: dict[str, dict[str, Any]], cases: int) -> str:

@@ -75,6 +75,48 @@ def test_the_table_carries_its_provenance() -> None:
         assert "oracle" in entry["derivation"] and entry["safety"] == derivation.SAFETY
 
 
+def test_every_scale_bound_is_credited_to_exactly_one_command() -> None:
+    credited: dict[tuple[str, str], int] = {}
+    for entry in DOCUMENT["provenance"]["scale"]:
+        assert entry["command"].startswith("decoder-conformance tolerances derive --scale")
+        for shape in entry["shapes"]:
+            key = (entry["precision"], shape)
+            credited[key] = credited.get(key, 0) + 1
+    bounds = {
+        (precision, case.removeprefix("scale:"))
+        for precision, entry in DOCUMENT["precisions"].items()
+        for case in entry.get("cases", {})
+        if case.startswith("scale:")
+    }
+    assert set(credited) == bounds and set(credited.values()) == {1}
+
+
+def test_a_new_scale_derivation_replaces_the_credit_for_what_it_measured() -> None:
+    first = derivation.record_scale_provenance(
+        [], ["float32", "bfloat16"], ["smoke", "long-context"], "derive A", "2026-01-01"
+    )
+    second = derivation.record_scale_provenance(
+        first, ["float32"], ["long-context"], "derive B", "2026-01-02"
+    )
+    assert [(e["precision"], e["shapes"], e["command"]) for e in second] == [
+        ("float32", ["smoke"], "derive A"),
+        ("bfloat16", ["smoke", "long-context"], "derive A"),
+        ("float32", ["long-context"], "derive B"),
+    ]
+    third = derivation.record_scale_provenance(
+        second, ["float32"], ["smoke", "long-context"], "derive C", "2026-01-03"
+    )
+    assert [(e["precision"], e["command"]) for e in third] == [
+        ("bfloat16", "derive A"),
+        ("float32", "derive C"),
+    ]
+    assert first[0]["shapes"] == ["smoke", "long-context"]  # the earlier list is not edited
+    legacy = [{"command": "derive --scale --write", "written": "2025-12-31"}]
+    assert derivation.record_scale_provenance(legacy, ["float16"], ["smoke"], "D", "x") == [
+        {"precision": "float16", "shapes": ["smoke"], "command": "D", "written": "x"}
+    ]
+
+
 def test_tolerances_show_prints_every_precision_and_quantity() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "conformance.cli", "tolerances", "show"],
