@@ -7,7 +7,8 @@ head from the spec's interleaved pairs to transformers' rotate-half pairs, the n
 Precision: transformers computes RMSNorm, the rotary tables and the eager softmax in float32
 even in a float64 model. ``hf-llama`` loads float64 weights and declares float32, its real
 precision; ``hf-llama-claims-float64`` declares float64, so the suite can show where and by
-how much that claim fails. ``hf-llama-bfloat16`` loads bfloat16 weights and declares bfloat16.
+how much that claim fails. ``hf-llama-bfloat16`` loads bfloat16 weights and declares bfloat16;
+the RoPE frequencies stay in float32, as transformers builds them.
 """
 
 from __future__ import annotations
@@ -70,8 +71,15 @@ class HFLlamaBackend(BackendBase):
         )
         hf_config._attn_implementation = "eager"
         model = LlamaForCausalLM(hf_config)
+        # transformers builds its RoPE inverse frequencies in float32; Module.to would round
+        # them to the weights' dtype with everything else, and bfloat16 frequencies put the
+        # angles of position 7,813 off by up to 3.4 radians (transformers#29496). Keep them.
+        frequencies = {name: buffer.clone() for name, buffer in model.named_buffers()}
         # The model's own .to and .eval are typed for devices and untyped; use Module's.
         torch.nn.Module.to(model, self.dtype)
+        for name, buffer in frequencies.items():
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, buffer)
         torch.nn.Module.train(model, False)
         hf_parameters = dict(model.named_parameters())
         with torch.no_grad():

@@ -66,13 +66,26 @@ def as_forward_output(
 
 
 def mean_nll(logits: torch.Tensor, targets: npt.ArrayLike, vocabulary_size: int) -> torch.Tensor:
-    """Mean negative log-likelihood of ``targets`` (aligned with positions, not shifted)."""
+    """Mean negative log-likelihood of ``targets`` (aligned with positions, not shifted).
+
+    16-bit logits are widened to float32 first, as transformers' causal-LM loss does: torch's
+    float16 ``cross_entropy`` on CPU sums the exponentials in float16, so over 65,504 or more
+    near-uniform logits (a 128,256-entry vocabulary) the sum overflows and the loss is ``inf``.
+    """
     labels = torch.as_tensor(np.asarray(targets, dtype=np.int64).reshape(-1))
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
     return nn.functional.cross_entropy(logits.reshape(-1, vocabulary_size), labels)
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * gain`` over the last axis."""
+    """``x / sqrt(mean(x^2) + eps) * gain`` over the last axis.
+
+    A 16-bit input is normalized in float32 and rounded before the gain, as transformers'
+    LlamaRMSNorm does: in float16 the backward of ``rsqrt`` multiplies by ``rsqrt^3``, which
+    overflows for a row whose RMS is below 0.025 (NaN and ``inf`` gradients at SmolLM2-135M's
+    shape).
+    """
 
     def __init__(self, width: int, epsilon: float) -> None:
         super().__init__()
@@ -80,7 +93,8 @@ class RMSNorm(nn.Module):
         self.epsilon = epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mean_square = (x * x).mean(dim=-1, keepdim=True)
+        work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        mean_square = (work * work).mean(dim=-1, keepdim=True)
         if self.epsilon == 0.0 and bool((mean_square == 0).any()):
             # The spec's refusal, where rsqrt would give inf and then NaN.
             row = int(torch.nonzero(mean_square.reshape(-1) == 0)[0])
@@ -89,7 +103,7 @@ class RMSNorm(nn.Module):
                 f"RMSNorm row {row} has mean square 0 and epsilon is 0",
                 {"row": row},
             )
-        return x * torch.rsqrt(mean_square + self.epsilon) * self.gain
+        return (work * torch.rsqrt(mean_square + self.epsilon)).to(x.dtype) * self.gain
 
 
 class Linear(nn.Module):

@@ -1,4 +1,4 @@
-"""torch-float32 with one precision bug, for the scale profile: fast enough for real shapes.
+"""torch with one precision bug, for the scale profile: fast enough for real shapes.
 
 The mutant catalogue's precision bugs are emulated backends (every operation rounded in
 numpy): right for the ci profile, minutes a pass at SmolLM2-135M's shape. These are the same
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from conformance.adapter import Parameters
 from conformance.adapters import torch_backend
-from conformance.adapters.torch_backend import TorchFloat32Backend
+from conformance.adapters.torch_backend import TorchFloat16Backend, TorchFloat32Backend
 from spec.config import DecoderConfig
 
 
@@ -59,3 +60,57 @@ class SoftmaxInFloat16(TorchFloat32Backend):
     def build(self, config: DecoderConfig, parameters: Parameters) -> Any:
         torch_backend.torch = _Float16Softmax()  # type: ignore[assignment]
         return super().build(config, parameters)
+
+
+def _rms_norm_in_float16(self: torch_backend.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm on the 16-bit values themselves: autograd's ``rsqrt`` backward overflows."""
+    mean_square = (x * x).mean(dim=-1, keepdim=True)
+    return x * torch.rsqrt(mean_square + self.epsilon) * self.gain
+
+
+class RmsNormInFloat16(TorchFloat16Backend):
+    """torch-float16 whose RMSNorm runs in float16, forward and backward (the torch adapter
+    before it normalized in float32)."""
+
+    name = "torch-float16-rms-norm-in-float16"
+
+    def build(self, config: DecoderConfig, parameters: Parameters) -> Any:
+        torch_backend.RMSNorm.forward = _rms_norm_in_float16  # type: ignore[method-assign]
+        return super().build(config, parameters)
+
+
+def _cross_entropy_in_float16(
+    logits: torch.Tensor, targets: Any, vocabulary_size: int
+) -> torch.Tensor:
+    labels = torch.as_tensor(np.asarray(targets, dtype=np.int64).reshape(-1))
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, vocabulary_size), labels)
+
+
+class LossInFloat16(TorchFloat16Backend):
+    """torch-float16 whose loss is torch's float16 ``cross_entropy`` (the sum of the
+    exponentials overflows past 65,504 near-uniform logits)."""
+
+    name = "torch-float16-loss-in-float16"
+
+    def build(self, config: DecoderConfig, parameters: Parameters) -> Any:
+        torch_backend.mean_nll = _cross_entropy_in_float16
+        return super().build(config, parameters)
+
+
+def hf_llama_frequencies_in_bfloat16() -> Any:
+    """hf-llama-bfloat16 with its RoPE inverse frequencies rounded to bfloat16, as casting
+    the whole module with ``.to`` leaves them (transformers#29496; the adapter did this before
+    it kept them in float32). A factory, so the torch mutants load without transformers."""
+    from conformance.adapters.hf_llama import HFLlamaBfloat16
+
+    class FrequenciesInBfloat16(HFLlamaBfloat16):
+        name = "hf-llama-bfloat16-frequencies-in-bfloat16"
+
+        def build(self, config: DecoderConfig, parameters: Parameters) -> Any:
+            built = super().build(config, parameters)
+            for module in built[1].modules():
+                if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+                    module.inv_freq = module.inv_freq.to(torch.bfloat16)
+            return built
+
+    return FrequenciesInBfloat16()

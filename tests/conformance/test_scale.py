@@ -69,6 +69,29 @@ def test_a_float16_softmax_fails_scale_stages() -> None:
     assert _statuses(f"{MUTANTS}:SoftmaxInFloat16")["SCALE-STAGES"] == "failed"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mutant", "needs", "shape", "failing"),
+    [
+        # torch's float16 cross_entropy sums 128,256 exponentials past 65,504: the loss is inf.
+        ("LossInFloat16", "torch", "wide-vocabulary", "SCALE-LOGITS"),
+        # rsqrt's backward in float16 overflows for rows of RMS below 0.025 (about 2 minutes).
+        ("RmsNormInFloat16", "torch", "smollm2-135m", "SCALE-GRADIENTS"),
+        # RoPE frequencies rounded to bfloat16: angles off by radians late in 8,192 positions.
+        ("hf_llama_frequencies_in_bfloat16", "transformers", "long-context", "SCALE-STAGES"),
+    ],
+)
+def test_16_bit_bugs_only_a_real_shape_reaches_fail_there(
+    mutant: str, needs: str, shape: str, failing: str
+) -> None:
+    """The shipped torch-float16 and hf-llama-bfloat16 adapters had these bugs and passed
+    every rule of the ci profile."""
+    pytest.importorskip(needs)
+    statuses = _statuses(f"{MUTANTS}:{mutant}", shape)
+    assert statuses[failing] == "failed"
+    assert statuses["SCALE-CAUSALITY"] == statuses["SCALE-TYING"] == "passed"
+
+
 @pytest.mark.parametrize(
     "mutant",
     ["RopeTablesInBfloat16", "SoftmaxAccumulatedInFloat16", "Float32AccumulationInFloat64"],
