@@ -74,10 +74,10 @@ class HFLlamaBackend(BackendBase):
         # transformers builds its RoPE inverse frequencies in float32; Module.to would round
         # them to the weights' dtype with everything else, and bfloat16 frequencies put the
         # angles of position 7,813 off by up to 3.4 radians (transformers#29496). Keep them.
-        frequencies = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        built_buffers = dict(model.named_buffers())  # .to replaces them, it does not edit them
         # The model's own .to and .eval are typed for devices and untyped; use Module's.
         torch.nn.Module.to(model, self.dtype)
-        for name, buffer in frequencies.items():
+        for name, buffer in built_buffers.items():
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner), leaf, buffer)
         torch.nn.Module.train(model, False)

@@ -52,6 +52,7 @@ __all__ = [
     "as_forward_output",
     "mean_nll",
     "rotary_tables",
+    "working_dtype",
 ]
 
 
@@ -65,6 +66,12 @@ def as_forward_output(
     )
 
 
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where a 16-bit module does the steps that overflow or lose too much in its own
+    format (the RoPE angles, RMSNorm, the loss): float32; float32 and float64 work as they are."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def mean_nll(logits: torch.Tensor, targets: npt.ArrayLike, vocabulary_size: int) -> torch.Tensor:
     """Mean negative log-likelihood of ``targets`` (aligned with positions, not shifted).
 
@@ -73,9 +80,8 @@ def mean_nll(logits: torch.Tensor, targets: npt.ArrayLike, vocabulary_size: int)
     near-uniform logits (a 128,256-entry vocabulary) the sum overflows and the loss is ``inf``.
     """
     labels = torch.as_tensor(np.asarray(targets, dtype=np.int64).reshape(-1))
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    return nn.functional.cross_entropy(logits.reshape(-1, vocabulary_size), labels)
+    widened = logits.to(working_dtype(logits.dtype))
+    return nn.functional.cross_entropy(widened.reshape(-1, vocabulary_size), labels)
 
 
 class RMSNorm(nn.Module):
@@ -93,7 +99,7 @@ class RMSNorm(nn.Module):
         self.epsilon = epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        work = x.to(working_dtype(x.dtype))
         mean_square = (work * work).mean(dim=-1, keepdim=True)
         if self.epsilon == 0.0 and bool((mean_square == 0).any()):
             # The spec's refusal, where rsqrt would give inf and then NaN.
@@ -126,7 +132,7 @@ def rotary_tables(
     in bfloat16, and a table computed in a 16-bit format is off by up to 0.78 at position
     1857 (EleutherAI/gpt-neox#1003).
     """
-    work = torch.float64 if dtype == torch.float64 else torch.float32
+    work = working_dtype(dtype)
     exponents = torch.arange(head_width // 2, dtype=work) * (-2.0 / head_width)
     angles = torch.arange(length, dtype=work)[:, None] * torch.pow(
         torch.tensor(base, dtype=work), exponents
