@@ -2,7 +2,9 @@
 
 Every measurement runs in a fresh process (``conformance.tools.bench_worker``) with the same thread
 count for the reference (its own threads and numpy's BLAS) and for torch; the two backends
-alternate, and each figure is the median of all timed steps. The machine's own float64
+alternate, and each figure is the median of all timed steps; ``by round`` is the range of the
+per-round ratios (each round's reference against the torch run right after it), the spread
+the machine's drift put into the ratio. The machine's own float64
 matrix-multiply rate is measured in the same run, so achieved GFLOP/s can be read against it.
 """
 
@@ -28,6 +30,7 @@ __all__ = [
     "forward_backward_flops",
     "linear_product_flops",
     "render_bench",
+    "round_ratios",
     "run_bench",
 ]
 
@@ -69,6 +72,9 @@ class Measurement:
     # the linear-layer matrix products.
     instrumented_seconds: list[float] = field(default_factory=list)
     product_seconds: list[float] = field(default_factory=list)
+    # Per round, the median of that round's timed steps: paired with the other backend's
+    # round, run right after it, so the spread of their ratios shows the machine's drift.
+    round_medians: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -135,6 +141,7 @@ def _measure(
             ]  # fmt: skip
             answer = _worker([*job, "--breakdown"] if breakdown else job, environment)
             measured[backend].seconds.extend(answer["seconds"])
+            measured[backend].round_medians.append(statistics.median(answer["seconds"]))
             if breakdown:
                 measured[backend].instrumented_seconds.append(answer["instrumented_seconds"])
                 if answer["product_seconds"] is not None:  # None: products too small to time
@@ -221,6 +228,24 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
 
 
+def round_ratios(reference: Measurement, torch: Measurement | None) -> list[float]:
+    """reference / torch for each round, each backend's median step in that round: pairs
+    measured minutes apart, so their spread is the machine's drift during the run."""
+    if torch is None:
+        return []
+    return [
+        ref / other
+        for ref, other in zip(reference.round_medians, torch.round_medians, strict=False)
+        if other > 0
+    ]
+
+
+def _ratio_range(ratios: list[float]) -> str:
+    if len(ratios) < 2:
+        return "-"
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+
 def _breakdown_lines(result: BenchResult) -> list[str]:
     """Where each backend's step goes: linear-layer matrix products against everything else."""
     rows = [
@@ -255,8 +280,9 @@ def render_bench(result: BenchResult) -> str:
         f"threads {result.threads} (the reference, numpy's BLAS and torch alike); "
         f"allocator {result.allocator}; "
         f"this machine's float64 matrix multiply: {result.matmul_gflops:.1f} GFLOP/s",
-        f"{'size':<7} {'reference':>10} {'torch':>9} {'ref/torch':>9} {'ref GFLOP/s':>14} "
-        f"{'torch GFLOP/s':>14} {'ref MiB':>8} {'torch MiB':>9} {'mem ratio':>9}",
+        f"{'size':<7} {'reference':>10} {'torch':>9} {'ref/torch':>9} {'by round':>11} "
+        f"{'ref GFLOP/s':>14} {'torch GFLOP/s':>14} {'ref MiB':>8} {'torch MiB':>9} "
+        f"{'mem ratio':>9}",
     ]
     for name, measured in result.sizes.items():
         config, batch, length = SIZES[name]
@@ -267,8 +293,9 @@ def render_bench(result: BenchResult) -> str:
         torch_peak = "-" if torch is None or torch.peak_mib is None else f"{torch.peak_mib:.0f}"
         time_ratio = _ratio(ref.median, torch.median if torch else None)
         memory_ratio = _ratio(ref.peak_mib, torch.peak_mib if torch else None)
+        by_round = _ratio_range(round_ratios(ref, torch))
         lines.append(
-            f"{name:<7} {ref.median:>9.4f}s {torch_time:>9} {time_ratio:>9} "
+            f"{name:<7} {ref.median:>9.4f}s {torch_time:>9} {time_ratio:>9} {by_round:>11} "
             f"{_rate(flops, ref, result):>14} {_rate(flops, torch, result):>14} "
             f"{ref_peak:>8} {torch_peak:>9} {memory_ratio:>9}"
         )

@@ -17,6 +17,7 @@ from conformance.tools.bench import (
     forward_backward_flops,
     linear_product_flops,
     render_bench,
+    round_ratios,
 )
 from impl import ops
 from impl.model import DecoderModel
@@ -64,9 +65,19 @@ def test_report_shows_ratios_rates_and_growth() -> None:
     }
     result.layers = {1: {"reference": Measurement([0.1])}, 2: {"reference": Measurement([0.2])}}
     text = render_bench(result)
-    assert "medium     0.2500s   0.2000s     1.25x" in text
+    assert "medium     0.2500s   0.2000s     1.25x           -" in text  # one round: no range
     assert "0.75x" in text  # memory ratio 150 / 200
     assert "2.00x" in text  # layers 1 -> 2 doubles the time
+
+
+def test_report_shows_the_spread_of_paired_round_ratios() -> None:
+    result = BenchResult(threads=2, matmul_gflops=100.0, allocator="default")
+    reference = Measurement([0.3, 0.3, 0.2, 0.2], round_medians=[0.3, 0.2])
+    torch = Measurement([0.4, 0.4, 0.4, 0.4], round_medians=[0.4, 0.4])
+    result.sizes["medium"] = {"reference": reference, "torch": torch}
+    assert round_ratios(reference, torch) == pytest.approx([0.75, 0.5])
+    assert round_ratios(reference, None) == []
+    assert "0.62x  0.50-0.75x" in render_bench(result)  # median 0.25 / 0.4, then the range
 
 
 def test_breakdown_shows_products_and_the_rest() -> None:
