@@ -75,6 +75,11 @@ def _copy(tmp_path: Path, name: str = "golden") -> Path:
     return copy
 
 
+def _case_bytes(directory: Path) -> dict[str, bytes]:
+    """Every case file under ``directory``, by name."""
+    return {path.name: path.read_bytes() for path in (directory / "cases").glob("*.json")}
+
+
 def _regenerated_here(tmp_path: Path) -> dict[str, bytes]:
     """The case files a plain regeneration writes on this machine. Not the committed bytes:
     OpenBLAS picks its float64 kernel by CPU (Haswell on AMD EPYC, SkylakeX with AVX-512),
@@ -82,7 +87,7 @@ def _regenerated_here(tmp_path: Path) -> dict[str, bytes]:
     the committed ones in the last bit; ``golden check`` judges those at its tolerance."""
     copy = _copy(tmp_path, "golden-regenerated-here")
     regenerate(ReferenceBackend(), copy)
-    return {path.name: path.read_bytes() for path in (copy / "cases").glob("*.json")}
+    return _case_bytes(copy)
 
 
 def _edit_one_digit(path: Path) -> tuple[str, str]:
@@ -117,7 +122,7 @@ def test_regeneration_is_reference_only_and_atomic(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     copy = _copy(tmp_path)
-    before = {path.name: path.read_bytes() for path in (copy / "cases").glob("*.json")}
+    before = _case_bytes(copy)
 
     class Impostor(ReferenceBackend):
         name = "impostor"
@@ -136,13 +141,12 @@ def test_regeneration_is_reference_only_and_atomic(
     monkeypatch.setattr(golden_module, "encode_record", interrupted)
     with pytest.raises(KeyboardInterrupt):
         regenerate(ReferenceBackend(), copy)
-    after = {path.name: path.read_bytes() for path in (copy / "cases").glob("*.json")}
+    after = _case_bytes(copy)
     assert after == before
     assert [p.name for p in copy.iterdir() if p.name.startswith(".cases-")] == []
     monkeypatch.setattr(golden_module, "encode_record", original)
     regenerate(ReferenceBackend(), copy)
-    regenerated = {path.name: path.read_bytes() for path in (copy / "cases").glob("*.json")}
-    assert regenerated == _regenerated_here(tmp_path)
+    assert _case_bytes(copy) == _regenerated_here(tmp_path)
 
 
 # Files a check must report as hand-edited, never crash on: nesting deeper than the stack,
@@ -270,7 +274,7 @@ def test_regen_without_the_exchange_uses_two_renames(
         regenerate(ReferenceBackend(), copy)
     assert caplog.records == []
     assert sorted(p.name for p in copy.iterdir()) == ["cases", "seed"]
-    assert {path.name: path.read_bytes() for path in (copy / "cases").glob("*.json")} == expected
+    assert _case_bytes(copy) == expected
 
 
 def test_regen_into_a_new_directory(tmp_path: Path) -> None:
