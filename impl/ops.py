@@ -7,7 +7,8 @@ Broadcasting rules sum their gradients back to each input's shape with
 :func:`unbroadcast`. No rule loops in Python over batch, tokens, heads or features.
 
 The hot rules hand large work to their fast path in :mod:`impl.kernels.fused`, which
-computes the same arithmetic with reused buffers and threads (``kernels.worthwhile``);
+computes the same arithmetic with reused buffers and threads (``kernels.worthwhile``;
+attention there also skips the terms its mask hides);
 everything the suite and the golden cases run stays here.
 
 Shapes: B batch, T tokens, d model width, H heads, hw head width, f feed-forward width,

@@ -136,7 +136,9 @@ class Tensor:
                 if contribution is None or not parent.requires_grad:
                     continue
                 key = id(parent)
-                pending[key] = contribution if key not in pending else pending[key] + contribution
+                pending[key] = (
+                    contribution if key not in pending else buffers.add(pending[key], contribution)
+                )
             if not retain_graph:
                 node._vjp = _released
                 node._parents = ()
