@@ -59,7 +59,7 @@ def test_16_bit_products_match_torchs_own_to_float32_rounding(
     generator = torch.Generator().manual_seed(3)
     a = torch.randn(left, generator=generator).to(dtype)
     b = torch.randn(right, generator=generator).to(dtype)
-    upstream = torch.randn(torch.broadcast_shapes(left[:-1] + (right[-1],)), generator=generator)
+    upstream = torch.randn((*left[:-1], right[-1]), generator=generator)
     upstream = upstream.to(dtype)
     native = _with_gradients(torch.matmul, a, b, upstream)
     widened = _with_gradients(product, a, b, upstream)
