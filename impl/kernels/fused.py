@@ -128,8 +128,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
             grad_a, grad_b_transposed = _matrix_products(
                 [(upstream, b.value.T), (upstream.T, rows)]
             )
-            return grad_a.reshape(a.shape), grad_b_transposed.T
-        grad_a, grad_b = _matrix_products([(upstream, b.value.T), (rows.T, upstream)])
+            grad_b = grad_b_transposed.T
+        else:
+            grad_a, grad_b = _matrix_products([(upstream, b.value.T), (rows.T, upstream)])
         return grad_a.reshape(a.shape), grad_b
 
     return Tensor.from_operation(product.reshape(*a.shape[:-1], outer), (a, b), vjp, "matmul")
@@ -331,22 +332,14 @@ def _score_gradients(g: Array, weights: Array, value_transposed: Array, out: Arr
         gradient /= scale
 
 
-def _key_side_gradients(
-    scores: Array, weights: Array, query: Array, g: Array, *, grad_key: Array, grad_value: Array
-) -> None:
-    """``dk = ds^T q`` and ``dv = w^T g``, block by block of keys over the queries that see
-    them (from the block's first key on; ``ds`` and ``w`` are 0 above the diagonal)."""
-    for first, end in _query_blocks(weights.shape[-1]):
-        seen_by = slice(first, None)
+def _causal_transposed_product(lower: Array, right: Array, out: Array) -> None:
+    """``lower^T @ right`` into ``out``, for ``lower`` as in :func:`_causal_product`: each block
+    of keys over the queries that see it (from the block's first key on)."""
+    for first, end in _query_blocks(lower.shape[-1]):
         np.matmul(
-            np.swapaxes(scores[..., seen_by, first:end], -1, -2),
-            query[..., seen_by, :],
-            out=grad_key[..., first:end, :],
-        )
-        np.matmul(
-            np.swapaxes(weights[..., seen_by, first:end], -1, -2),
-            g[..., seen_by, :],
-            out=grad_value[..., first:end, :],
+            np.swapaxes(lower[..., first:, first:end], -1, -2),
+            right[..., first:, :],
+            out=out[..., first:end, :],
         )
 
 
@@ -371,15 +364,9 @@ def causal_attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
 
         def backward_part(part: Part) -> None:
             _score_gradients(g[part], weights[part], values_transposed[part], scores[part])
-            _causal_product(scores[part], key.value[part], grad_query[part])  # dq = ds k, by blocks
-            _key_side_gradients(
-                scores[part],
-                weights[part],
-                query.value[part],
-                g[part],
-                grad_key=grad_key[part],
-                grad_value=grad_value[part],
-            )
+            _causal_product(scores[part], key.value[part], grad_query[part])  # dq = ds k
+            _causal_transposed_product(scores[part], query.value[part], grad_key[part])  # ds^T q
+            _causal_transposed_product(weights[part], g[part], grad_value[part])  # dv = w^T g
 
         run_in_parts(backward_part, weights.shape[:-2], weights.size)
         return grad_query, grad_key, grad_value
