@@ -178,8 +178,16 @@ def rms_norm(x: Tensor, gain: Tensor, epsilon: float) -> Tensor:
 
 
 def sigmoid(u: Array) -> Array:
-    """``1 / (1 + exp(-u))`` as ``(tanh(u / 2) + 1) / 2``: one transcendental, no overflow."""
-    result: Array = (np.tanh(u * 0.5) + 1.0) * 0.5
+    """``1 / (1 + exp(-u))``, to a few roundings relative to the value in both tails.
+
+    Below ``u = -709.78`` ``exp(-u)`` overflows to ``inf`` and the result is 0, where the
+    true value is under 1e-308 (overflow and underflow are not reported). Not
+    ``(tanh(u / 2) + 1) / 2``: that cancels for negative ``u`` (relative error 9e-9 at
+    ``u = -20``, all of it below -37), and ``tanh`` costs 2.4 times ``exp`` here (15 against
+    6.3 ns an element).
+    """
+    with np.errstate(over="ignore", under="ignore"):
+        result: Array = 1.0 / (1.0 + np.exp(-u))
     return result
 
 

@@ -227,11 +227,12 @@ def rms_norm(x: Tensor, gain: Tensor, epsilon: float) -> Tensor:
 
 
 def _sigmoid(u: Array, out: Array) -> None:
-    """:func:`impl.ops.sigmoid` written into ``out``."""
-    np.multiply(u, 0.5, out=out)
-    np.tanh(out, out=out)
+    """:func:`impl.ops.sigmoid` written into ``out`` (the same operations in the same order)."""
+    np.negative(u, out=out)
+    with np.errstate(over="ignore", under="ignore"):  # per thread: each part sets its own
+        np.exp(out, out=out)
     out += 1.0
-    out *= 0.5
+    np.divide(1.0, out, out=out)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
