@@ -301,6 +301,14 @@ def _add_suite_commands(commands: Any) -> None:
         "--check", metavar="FILE", help="exit 1 where this run's statuses differ from FILE's"
     )
     matrix.add_argument("--json-dir", metavar="DIR", help="keep each adapter's JSON report here")
+    matrix.add_argument(
+        "-j",
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="adapters checked at once, each on one thread (1)",
+    )
 
 
 def _id_rows(option: str, text: str) -> list[list[int]]:
@@ -1042,7 +1050,13 @@ def _run_matrix(options: argparse.Namespace) -> str:
     json_dir = Path(options.json_dir) if options.json_dir else None
     if json_dir is not None:
         json_dir.mkdir(parents=True, exist_ok=True)
-    columns = run_matrix(adapters, profile=options.profile, stream=sys.stderr, json_dir=json_dir)
+    columns = run_matrix(
+        adapters,
+        profile=options.profile,
+        stream=sys.stderr,
+        json_dir=json_dir,
+        jobs=options.jobs,
+    )
     text = write_outputs(
         columns,
         options.profile,

@@ -13,9 +13,11 @@ they differ, so a README cannot claim a matrix the code no longer produces.
 from __future__ import annotations
 
 import html
+import os
 import re
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -126,16 +128,28 @@ def run_matrix(
     profile: str = "ci",
     stream: TextIO | None = None,
     json_dir: Path | None = None,
+    jobs: int = 1,
 ) -> list[Column]:
-    """Run the suite against each adapter in turn, with the known failures it ships."""
-    from conformance.runner import run_suite
+    """Run the suite against each adapter, with the known failures it ships; ``jobs``
+    adapters at a time (each then computing on one thread unless the environment sets a
+    thread count), the columns in the order given."""
+    from conformance.runner import THREAD_VARIABLES, run_suite
 
-    columns = []
-    for adapter, command in adapters:
-        xfails = KNOWN_FAILURES / f"{adapter}.txt"
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+    # Suites running side by side share the cores: one thread each, as run -n does.
+    environment = {name: "1" for name in THREAD_VARIABLES if name not in os.environ}
+    lock = threading.Lock()
+
+    def say(text: str) -> None:
         if stream is not None:
-            stream.write(f"== {adapter} (profile {profile})\n")
-            stream.flush()
+            with lock:
+                stream.write(text)
+                stream.flush()
+
+    def run_one(adapter: str, command: str | None) -> Column:
+        xfails = KNOWN_FAILURES / f"{adapter}.txt"
+        say(f"== {adapter} (profile {profile})\n")
         started = time.perf_counter()
         report = run_suite(
             adapter,
@@ -143,16 +157,54 @@ def run_matrix(
             backend_command=command,
             xfails_file=xfails if xfails.is_file() else None,
             json_report=None if json_dir is None else json_dir / f"{adapter}.json",
+            environment=environment if jobs > 1 else None,
         )
         seconds = time.perf_counter() - started
-        column = Column(adapter, report, seconds, known_reasons(adapter, report))
-        if stream is not None:
-            summary = ", ".join(f"{n} {s}" for s, n in report.summary.items() if n)
-            trouble = f"; {first_line(report.error)}" if report.error else ""
-            stream.write(f"   {summary or 'no result'} in {seconds:.0f} s{trouble}\n")
-            stream.flush()
-        columns.append(column)
-    return columns
+        summary = ", ".join(f"{n} {s}" for s, n in report.summary.items() if n)
+        trouble = f"; {first_line(report.error)}" if report.error else ""
+        # Side by side, a summary may not follow its own header: it names its adapter.
+        name = f"{adapter}: " if jobs > 1 else ""
+        say(f"   {name}{summary or 'no result'} in {seconds:.0f} s{trouble}\n")
+        return Column(adapter, report, seconds, known_reasons(adapter, report))
+
+    if jobs == 1:
+        return [run_one(adapter, command) for adapter, command in adapters]
+    return _side_by_side(run_one, list(adapters), jobs)
+
+
+def _side_by_side(
+    run_one: Callable[[str, str | None], Column],
+    adapters: list[tuple[str, str | None]],
+    jobs: int,
+) -> list[Column]:
+    """``run_one`` for each adapter on ``jobs`` daemon threads, the columns in order. On an
+    interrupt this thread raises at once and the process may end: each suite's process
+    group ends with it (the runner's leash), so nothing is left running or waited for."""
+    columns: list[Column | None] = [None] * len(adapters)
+    failures: list[BaseException] = []
+    pending = iter(range(len(adapters)))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while not failures:
+            with lock:
+                index = next(pending, None)
+            if index is None:
+                return
+            try:
+                columns[index] = run_one(*adapters[index])
+            except BaseException as error:  # handed to the calling thread
+                failures.append(error)
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(timeout=0.5)  # woken often: an interrupt is taken at once
+    if failures:
+        raise failures[0]
+    return [column for column in columns if column is not None]
 
 
 def _describe(column: Column) -> str:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import io
+import time
+
 import pytest
 
 from conformance.report import Report, RuleResult, SuiteIdentity
+from conformance.runner import THREAD_VARIABLES
 from conformance.tools.matrix import (
     END_MARKER,
     START_MARKER,
@@ -15,6 +19,7 @@ from conformance.tools.matrix import (
     render_html,
     render_markdown,
     replace_section,
+    run_matrix,
 )
 from spec.rules import RULES
 
@@ -78,3 +83,55 @@ def test_the_html_page_escapes_every_message() -> None:
     page = render_html([_column("<b>", {"VALUE-LOGITS": "failed"}, {})], "ci")
     assert "<b>" not in page.replace("<body>", "")
     assert "&lt;b&gt;" in page and "background:#ef9a9a" in page
+
+
+def _fake_suites(
+    monkeypatch: pytest.MonkeyPatch, delays: dict[str, float]
+) -> list[tuple[str, object]]:
+    """``run_suite`` replaced: each adapter's report after its delay; calls recorded."""
+    import conformance.runner
+
+    calls: list[tuple[str, object]] = []
+
+    def fake_run_suite(adapter: str, **options: object) -> Report:
+        calls.append((adapter, options.get("environment")))
+        if delays[adapter] < 0:
+            raise RuntimeError(f"{adapter} broke")
+        time.sleep(delays[adapter])
+        return _column(adapter, {}, {}).report
+
+    monkeypatch.setattr(conformance.runner, "run_suite", fake_run_suite)
+    return calls
+
+
+def test_side_by_side_runs_overlap_and_keep_the_order_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    delays = {"slow": 0.6, "quick": 0.3, "third": 0.2}
+    calls = _fake_suites(monkeypatch, delays)
+    stream = io.StringIO()
+    started = time.perf_counter()
+    columns = run_matrix([(name, None) for name in delays], stream=stream, jobs=2)
+    elapsed = time.perf_counter() - started
+    assert [column.adapter for column in columns] == ["slow", "quick", "third"]
+    assert elapsed < 0.95  # one after another: 1.1 s; quick and third ran while slow did
+    # Suites side by side compute on one thread each.
+    assert all(environment == dict.fromkeys(THREAD_VARIABLES, "1") for _, environment in calls)
+    # The last summary to arrive is slow's: side by side, each summary names its adapter.
+    assert stream.getvalue().splitlines()[-1].startswith("   slow: ")
+
+
+def test_one_at_a_time_leaves_the_thread_counts_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_suites(monkeypatch, {"only": 0.0})
+    run_matrix([("only", None)], jobs=1)
+    assert calls == [("only", None)]
+
+
+def test_a_run_that_breaks_is_raised_to_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_suites(monkeypatch, {"fine": 0.0, "broken": -1.0})
+    with pytest.raises(RuntimeError, match="broken broke"):
+        run_matrix([("fine", None), ("broken", None)], jobs=2)
+    with pytest.raises(ValueError, match="jobs must be at least 1"):
+        run_matrix([("fine", None)], jobs=0)
