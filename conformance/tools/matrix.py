@@ -133,12 +133,13 @@ def run_matrix(
     """Run the suite against each adapter, with the known failures it ships; ``jobs``
     adapters at a time (each then computing on one thread unless the environment sets a
     thread count), the columns in the order given."""
-    from conformance.runner import THREAD_VARIABLES, run_suite
+    from conformance.runner import run_suite, thread_environment
 
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
-    # Suites running side by side share the cores: one thread each, as run -n does.
-    environment = {name: "1" for name in THREAD_VARIABLES if name not in os.environ}
+    # Suites running side by side share the cores: one thread each, as run -n does, where
+    # the environment does not set a count.
+    environment = {k: v for k, v in thread_environment(1).items() if k not in os.environ}
     lock = threading.Lock()
 
     def say(text: str) -> None:
