@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from spec.config import FIXTURE
+from spec.rules import RuleCategory
 
 __all__ = ["CommandLineError", "main"]
 
@@ -67,6 +68,15 @@ def _add_run_commands(commands: Any) -> None:
         default=[],
         metavar="ID",
         help="check only this rule (repeatable; a glob such as 'ERR-*' too)",
+    )
+    run.add_argument(
+        "--stop-on-category",
+        action="append",
+        default=[],
+        choices=[category.value for category in RuleCategory],
+        metavar="CATEGORY",
+        help="end the run at the first failed test of a rule in this category (repeatable: "
+        "%(choices)s); the rules after it are reported untested",
     )
     run.add_argument(
         "--max-examples",
@@ -269,6 +279,12 @@ def _add_suite_commands(commands: Any) -> None:
         "--workers", type=_positive_int, default=2, help="mutants judged at once (2)"
     )
     mutants.add_argument("--no-controls", action="store_true", help="skip the correct controls")
+    mutants.add_argument(
+        "--whole-suite",
+        action="store_true",
+        help="run every rule against each mutant (by default a run ends at the mutant's first "
+        "failure of a related rule, which is the rule that kills it)",
+    )
     matrix = commands.add_parser(
         "matrix",
         help="run every shipped adapter and write the compliance matrix (Markdown, HTML)",
@@ -700,6 +716,11 @@ def _run_suite(options: argparse.Namespace) -> str:
     ):
         if listed:
             _text_file("run", flag, listed)
+    if options.stop_on_category and options.workers:
+        raise CommandLineError(
+            f"{PROGRAM} run: --stop-on-category needs one process (-n 0): each of "
+            f"{options.workers} workers would stop on its own"
+        )
     try:
         pytest_args = shlex.split(options.pytest_args)
     except ValueError as error:
@@ -714,6 +735,7 @@ def _run_suite(options: argparse.Namespace) -> str:
         options.adapter,
         profile=options.profile,
         scale_shapes=options.scale_shape,
+        stop_on_categories=options.stop_on_category,
         rules=options.rule,
         max_examples=options.max_examples,
         seed=options.seed,
@@ -1007,7 +1029,10 @@ def _run_mutants(options: argparse.Namespace) -> str:
     started = time.perf_counter()
     try:
         results = run_catalogue(
-            workers=options.workers, only=options.only, controls=not options.no_controls
+            workers=options.workers,
+            only=options.only,
+            controls=not options.no_controls,
+            whole_suite=options.whole_suite,
         )
     except KeyError as error:
         raise CommandLineError(f"{PROGRAM} mutants: {error.args[0]}") from error

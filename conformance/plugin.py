@@ -82,6 +82,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="run the rule tests even when the adapter breaks its contract",
     )
+    group.addoption(
+        "--stop-on-category",
+        action="append",
+        metavar="CATEGORY",
+        help="end the run at the first failed test of a rule in this category (repeatable; "
+        "spec/rules.py's categories, such as 'values'); the rules after it are reported "
+        "untested. Rules run in registry order, so the failure is that category's first",
+    )
     group.addoption("--conformance-json", help="write the rule-by-rule report as JSON here")
     group.addoption("--conformance-markdown", help="write the rule-by-rule report as Markdown here")
     group.addoption("--repro-dir", help="write a reproduction script per failed rule here")
@@ -108,6 +116,16 @@ def pytest_configure(config: pytest.Config) -> None:
     if unknown:
         raise pytest.UsageError(
             f"--scale-shape {', '.join(unknown)}: no such shape; known: {', '.join(SCALE_SHAPES)}"
+        )
+    from spec.rules import RuleCategory
+
+    categories = [category.value for category in RuleCategory]
+    chosen = config.getoption("stop_on_category") or []
+    unknown = [name for name in chosen if name not in categories]
+    if unknown:
+        raise pytest.UsageError(
+            f"--stop-on-category {', '.join(unknown)}: no such category; known: "
+            f"{', '.join(categories)}"
         )
     for option in ("conformance_json", "conformance_markdown"):
         target = config.getoption(option)
@@ -233,11 +251,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         closest = margins.RECORDER.take()
         if closest is not None:
             properties.append((margins.PROPERTY, closest))
+        _stop_after_a_chosen_category(item, outcome.get_result())
     if call.excinfo is not None and _is_conformance_test(item):
         from conformance.guard import AdapterFault
 
         if call.excinfo.errisinstance(AdapterFault):
             outcome.get_result().longrepr = str(call.excinfo.value)
+
+
+def _stop_after_a_chosen_category(item: pytest.Item, report: pytest.TestReport) -> None:
+    """``--stop-on-category``: the run ends after this test when it failed a chosen category."""
+    chosen = item.config.getoption("stop_on_category")
+    if not chosen or not report.failed:
+        return
+    from spec.rules import rule
+
+    rule_id = item.config.stash[_SESSION].rule_of(item)
+    category = rule(rule_id).category
+    if category.value in chosen:
+        # What pytest's -x sets: the session ends after this test with status 1.
+        item.session.shouldfail = f"stopping: {rule_id} failed (--stop-on-category {category.value})"
 
 
 @pytest.fixture(scope="session")

@@ -285,7 +285,7 @@ def render_table(tally: RuleTally, identity: SuiteIdentity) -> str:
     if len(shown) < len(results):
         lines.append(
             f"({len(untested)} rules untested: not selected, or not run after a broken "
-            "contract; the JSON and Markdown reports list them)"
+            "contract or a --stop-on-category stop; the JSON and Markdown reports list them)"
         )
     lines.append(_counts_line(tally.summary()))
     return "\n".join(lines) + "\n"

@@ -248,6 +248,7 @@ def run_suite(
     skips_file: str | os.PathLike[str] | None = None,
     rules: Sequence[str] = (),
     scale_shapes: Sequence[str] = (),
+    stop_on_categories: Sequence[str] = (),
     tests: Sequence[str] | None = None,
     max_examples: int | None = None,
     seed: int | None = None,
@@ -275,10 +276,15 @@ def run_suite(
     A profile that is not derandomized gets a seed (drawn here when none is given), so
     every run can be repeated. ``workers`` > 0 runs on that many processes (pytest-xdist),
     each computing on one thread. ``shrink=False`` reports the first failing example as
-    found. Past ``timeout`` seconds the run is stopped (status 124).
+    found. With ``stop_on_categories`` (names of :class:`spec.rules.RuleCategory`) the run
+    ends at the first failed test of a rule in one of them; it needs ``workers=0``, since
+    each pytest-xdist worker would stop on its own. Past ``timeout`` seconds the run is
+    stopped (status 124).
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; choose from {', '.join(PROFILES)}")
+    if stop_on_categories and workers:
+        raise ValueError("stop_on_categories needs workers=0: each worker would stop alone")
     if seed is None and not PROFILES[profile].derandomize:
         seed = random.SystemRandom().randrange(2**32)
     variables = dict(os.environ)
@@ -290,6 +296,7 @@ def run_suite(
     variables.update(environment or {})
     flags = [f"--rule={pattern}" for pattern in rules]
     flags += [f"--scale-shape={name}" for name in scale_shapes]
+    flags += [f"--stop-on-category={name}" for name in stop_on_categories]
     if not contract_check:
         flags.append("--no-contract-check")
     if color:

@@ -284,6 +284,40 @@ def test_a_skips_file_keeps_listed_tests_from_running(tmp_path: Path) -> None:
     assert {r["outcome"] for r in values["results"]} == {"skipped"}, values["results"]
 
 
+def test_a_run_stops_at_the_first_failure_of_a_chosen_category() -> None:
+    """The mutant fails CAUSAL-PREFIX-BITWISE and VALUE-STAGES; CAUSAL-POSITION-CHANGES and
+    BATCH-INDEPENDENCE, between them, pass."""
+    mutant = "conformance.tools.mutants.numerics:MaskSeesNextToken"
+    chosen = ["TIE-*", "CAUSAL-*", "BATCH-*", "VALUE-STAGES"]
+
+    def ran(stop_on: list[str]) -> dict[str, str]:
+        report = run_suite(
+            mutant, profile="ci", rules=chosen, shrink=False, stop_on_categories=stop_on
+        )
+        assert report.status == 1, report.output[-2000:]
+        return {rule.id: rule.status for rule in report.rules if rule.status != "untested"}
+
+    before = dict.fromkeys(["TIE-SINGLE-LEAF", "TIE-GRADIENT-SUM", "TIE-OUTPUT-ROLE"], "passed")
+    assert ran(["causality"]) == {**before, "CAUSAL-PREFIX-BITWISE": "failed"}
+    # A failure of another category does not stop the run.
+    assert ran(["values", "golden"]) == {
+        **before, "CAUSAL-PREFIX-BITWISE": "failed", "CAUSAL-POSITION-CHANGES": "passed",
+        "BATCH-INDEPENDENCE": "passed", "VALUE-STAGES": "failed",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="needs workers=0"):
+        run_suite(mutant, profile="ci", stop_on_categories=["values"], workers=2)
+
+
+def test_an_unknown_stop_category_is_a_usage_error_naming_the_known_ones(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs",
+         "conformance.test_shapes", "--stop-on-category", "vibes"],
+        capture_output=True, text=True, check=False, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "--stop-on-category vibes: no such category; known: protocol," in result.stderr
+
+
 def test_seed_and_max_examples_reach_hypothesis() -> None:
     report = run_suite(profile="default", seed=1234, max_examples=3, rules=["SHAPE-LOGITS"])
     assert report.status == 0
