@@ -289,6 +289,21 @@ def oracle_rows(
     return logits
 
 
+def _distinct_rows(x: MpArray) -> tuple[MpArray, npt.NDArray[np.intp]]:
+    """The distinct rows of ``x [P, d]``, in order of first appearance, and for each row of
+    ``x`` the index of its copy among them (``distinct[row_of]`` equals ``x``)."""
+    index_of: dict[tuple[Any, ...], int] = {}
+    firsts: list[int] = []
+    row_of = np.empty(x.shape[0], dtype=np.intp)
+    for position, row in enumerate(x):
+        key = tuple(row)
+        if key not in index_of:
+            index_of[key] = len(firsts)
+            firsts.append(position)
+        row_of[position] = index_of[key]
+    return x[firsts], row_of
+
+
 def _block_rows(
     x: MpArray,
     weights: Mapping[str, MpArray],
@@ -305,17 +320,20 @@ def _block_rows(
 
     length, heads = x.shape[0], config.heads
     head_width = config.model_width // heads
-    normed, _ = rms_norm(x, w("attention_norm.gain"), epsilon)
+    # Norm and projections act row by row, so equal rows give equal results: the first
+    # block's rows are table rows, a few distinct ones over thousands of positions.
+    distinct, row_of = _distinct_rows(x)
+    normed, _ = rms_norm(distinct, w("attention_norm.gain"), epsilon)
     cos, sin = rope_tables(length, head_width, mpmath.mpf(config.rope_base))
 
     def by_head(y: MpArray) -> MpArray:  # [P, d] -> [H, P, hw]
         return y.reshape(y.shape[0], heads, head_width).transpose(1, 0, 2)
 
-    keys = rotate_pairs(by_head(normed @ w("attention.key.weight")), cos, sin)
-    values = by_head(normed @ w("attention.value.weight"))
+    keys = rotate_pairs(by_head((normed @ w("attention.key.weight"))[row_of]), cos, sin)
+    values = by_head((normed @ w("attention.value.weight"))[row_of])
     chosen = list(rows)
     queries = rotate_pairs(
-        by_head(normed[chosen] @ w("attention.query.weight")), cos[chosen], sin[chosen]
+        by_head(normed[row_of[chosen]] @ w("attention.query.weight")), cos[chosen], sin[chosen]
     )
     scale = mpmath.sqrt(head_width)
     mixed = np.empty((len(chosen), heads, head_width), dtype=object)
