@@ -270,7 +270,8 @@ def _stop_after_a_chosen_category(item: pytest.Item, report: pytest.TestReport) 
     category = rule(rule_id).category
     if category.value in chosen:
         # What pytest's -x sets: the session ends after this test with status 1.
-        item.session.shouldfail = f"stopping: {rule_id} failed (--stop-on-category {category.value})"
+        reason = f"stopping: {rule_id} failed (--stop-on-category {category.value})"
+        item.session.shouldfail = reason
 
 
 @pytest.fixture(scope="session")
