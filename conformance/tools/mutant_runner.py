@@ -20,6 +20,8 @@ __all__ = [
     "MutantResult",
     "ReproductionCheck",
     "check_reproductions",
+    "judge_control",
+    "judge_mutant",
     "killer_scripts",
     "render_matrix",
     "run_catalogue",
@@ -71,7 +73,7 @@ def _run_one(
     return report, time.perf_counter() - started
 
 
-def _judge_mutant(
+def judge_mutant(
     mutant: Mutant, repro_root: Path | None = None, whole_suite: bool = False
 ) -> MutantResult:
     """The killing rule is the first failed rule related to the mistake.
@@ -98,7 +100,8 @@ def _judge_mutant(
     return MutantResult(mutant.name, "killed", verdict, "-", seconds, detail)
 
 
-def _judge_control(name: str, adapter: str, command: str | None) -> MutantResult:
+def judge_control(name: str, adapter: str, command: str | None) -> MutantResult:
+    """A correct backend (one of ``CONTROLS``) through every rule: it should pass them all."""
     report, seconds = _run_one(adapter, command)
     failed = [r.id for r in report.failed()]
     verdict = "passes" if report.status == 0 else ("killed" if failed else "error")
@@ -126,9 +129,9 @@ def run_catalogue(
         )
     chosen = [m for m in MUTANTS if not only or m.name in only]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        jobs = [pool.submit(_judge_mutant, mutant, repro_root, whole_suite) for mutant in chosen]
+        jobs = [pool.submit(judge_mutant, mutant, repro_root, whole_suite) for mutant in chosen]
         if controls:
-            jobs += [pool.submit(_judge_control, *control) for control in CONTROLS]
+            jobs += [pool.submit(judge_control, *control) for control in CONTROLS]
         return [job.result() for job in jobs]
 
 

@@ -11,8 +11,14 @@ import pytest
 
 import conformance.tools.mutants as catalogue
 from conformance.adapter import BackendBase, load_backend
-from conformance.tools.mutant_runner import check_reproductions, killer_scripts, run_catalogue
-from conformance.tools.mutants import MUTANTS, mutant_named
+from conformance.tools.mutant_runner import (
+    check_reproductions,
+    judge_control,
+    judge_mutant,
+    killer_scripts,
+    run_catalogue,
+)
+from conformance.tools.mutants import CONTROLS, MUTANTS, Mutant, mutant_named
 from conformance.tools.mutants.base import MutantBackend
 from spec.rules import RuleCategory, rule
 
@@ -64,25 +70,26 @@ def test_an_unknown_mutant_is_named() -> None:
         run_catalogue(only=["frobnicated"])
 
 
+# One test per mutant and per control, so that `pytest -m slow -n 2` spreads the catalogue
+# over the workers with the other slow tests, and a failure names its mutant.
 @pytest.mark.slow
-def test_every_mutant_is_killed_by_a_related_rule_and_controls_pass(tmp_path: Path) -> None:
-    """And the reproduction script of each kill fails against its mutant and passes against
-    the reference. (Every script, a few hundred, takes about 20 minutes:
+@pytest.mark.parametrize("mutant", [pytest.param(m, id=m.name) for m in MUTANTS])
+def test_the_mutant_is_killed_by_a_related_rule_and_its_reproduction_holds(
+    mutant: Mutant, tmp_path: Path
+) -> None:
+    """The reproduction script of the killing rule fails against the mutant and passes against
+    the reference. (Every script of a whole-suite run, a few hundred, takes about 20 minutes:
     ``check_reproductions(root)``.)"""
-    results = run_catalogue(workers=2, repro_root=tmp_path)
-    wrong = [
-        (r.name, r.verdict, r.first_failed_rule, r.detail[:300])
-        for r in results
-        if not r.as_expected
-    ]
-    assert wrong == []
-    scripts = killer_scripts(results, tmp_path)
-    assert len(scripts) == len(MUTANTS) and all(script.is_file() for script in scripts)
-    checks = check_reproductions(tmp_path, scripts=scripts, workers=2)
-    failing = [
-        (str(check.script.relative_to(tmp_path)), check.against_mutant, check.against_reference,
-         check.output[-600:])
-        for check in checks
-        if not check.as_expected
-    ]  # fmt: skip
-    assert failing == []
+    result = judge_mutant(mutant, tmp_path)
+    assert result.as_expected, (result.verdict, result.first_failed_rule, result.detail[:300])
+    (script,) = killer_scripts([result], tmp_path)
+    assert script.is_file(), script
+    (check,) = check_reproductions(tmp_path, scripts=[script], workers=1)
+    assert check.as_expected, (check.against_mutant, check.against_reference, check.output[-600:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("control", [pytest.param(c, id=c[0]) for c in CONTROLS])
+def test_the_correct_backend_passes_every_rule(control: tuple[str, str, str | None]) -> None:
+    result = judge_control(*control)
+    assert result.as_expected, (result.verdict, result.first_failed_rule, result.detail[-600:])
