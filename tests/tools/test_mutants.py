@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,22 @@ def test_the_mutant_is_killed_by_a_related_rule_and_its_reproduction_holds(
 def test_the_correct_backend_passes_every_rule(control: tuple[str, str, str | None]) -> None:
     result = judge_control(*control)
     assert result.as_expected, (result.verdict, result.first_failed_rule, result.detail[-600:])
+
+
+@pytest.mark.slow
+def test_the_mutants_command_judges_the_chosen_mutants_two_at_a_time() -> None:
+    """The maintainers' command, which the per-mutant tests above bypass: its table, kill
+    line and exit status."""
+    chosen = ["negative-epsilon-accepted", "depth-zero-unvalidated"]
+    result = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "mutants", "--only", *chosen, "--no-controls",
+         "--workers", "2"],
+        capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-2000:])
+    rows = {line.split()[0]: line.split()[1:4] for line in result.stdout.splitlines()[1:-1]}
+    assert set(rows) == set(chosen)
+    for name, (expected, verdict, killer) in rows.items():
+        assert (expected, verdict) == ("killed", "killed")
+        assert rule(killer).category in mutant_named(name).related, (name, killer)
+    assert "2/2 mutants killed (100%), 2 by a related rule; controls passing: 0/0" in result.stdout
