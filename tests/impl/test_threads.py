@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -16,9 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conformance.runner import THREAD_VARIABLES
-from impl import ops
 from impl.kernels import threads as parallel
-from impl.tape import Array, Tensor
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,23 +103,46 @@ def test_blas_thread_count_is_restored_after_parts(threads: Callable[[int], None
     assert get() == before
 
 
-def _product_in_child(queue: multiprocessing.Queue[Array]) -> None:
+# Run in a fresh interpreter: forking the test process itself would copy whatever threads
+# other tests started there (JAX's, for one), which fork cannot carry and JAX warns about.
+_FORKED_CHILD_SCRIPT = """
+import multiprocessing
+import numpy as np
+from impl import ops
+from impl.kernels import threads
+from impl.tape import Tensor
+
+def product_in_child(queue):
     left = Tensor(np.ones((256, 64)))
     queue.put(ops.matmul(left, Tensor(np.ones((64, 64)))).value.copy())
 
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_starts_its_own_threads(threads: Callable[[int], None]) -> None:
-    threads(2)
-    parallel.run_in_parts(lambda part: None, (8,), 8 * parallel.MIN_WORK_PER_PART)
+if __name__ == "__main__":
+    threads.set_thread_count(2)
+    threads.run_in_parts(lambda part: None, (8,), 8 * threads.MIN_WORK_PER_PART)
     context = multiprocessing.get_context("fork")
-    queue: multiprocessing.Queue[Array] = context.Queue()
-    child = context.Process(target=_product_in_child, args=(queue,))
+    queue = context.Queue()
+    child = context.Process(target=product_in_child, args=(queue,), daemon=True)
     child.start()
     result = queue.get(timeout=60)
     child.join(timeout=60)
-    assert child.exitcode == 0
+    assert child.exitcode == 0, child.exitcode
     np.testing.assert_array_equal(result, np.full((256, 64), 64.0))
+    print("child ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_starts_its_own_threads() -> None:
+    answer = subprocess.run(
+        [sys.executable, "-c", _FORKED_CHILD_SCRIPT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert answer.returncode == 0, answer.stderr
+    assert answer.stdout.strip() == "child ok"
 
 
 @pytest.mark.parametrize(
