@@ -9,8 +9,9 @@ that asked, shows the assertion from stderr, and starts a fresh server for the n
 How a model is made, as a user's converter would make it: the parameters go into a GGUF
 file (architecture ``llama``, F32 tensors, the matrices ``[out, in]``, no ``output.weight``,
 so llama.cpp uses ``token_embd.weight`` as the head), which llama.cpp loads; the file is
-deleted once loaded. A forward pass is one ``llama_decode`` of a batch holding every
-sequence (sequence ``b`` is ``seq_id`` b at positions 0..T-1) with logits for every token.
+gone once loaded, and on Linux it never has a name, so an abort leaves nothing behind. A
+forward pass is one ``llama_decode`` of a batch holding every sequence (sequence ``b`` is
+``seq_id`` b at positions 0..T-1) with logits for every token.
 The stages come from the context's eval callback: the tensors ``embd``, ``l_out-i`` and
 ``result_norm`` of llama.cpp's graph.
 
@@ -144,6 +145,24 @@ class LlamaCppModel:
             self.handle = None
 
 
+@contextlib.contextmanager
+def _scratch_file() -> Iterator[Path]:
+    """A path to write a model's GGUF file to and load it from, gone on the way out.
+
+    Where the process can name its own open files (``/proc/self/fd``, Linux), the file never
+    has a name in any folder: llama.cpp aborts the process on a model it cannot load, and a
+    timeout kills it, and neither leaves a file behind (at SmolLM2-135M's shape that file is
+    540 MB). Elsewhere it lives in a private temporary folder, removed on a normal exit.
+    """
+    with tempfile.TemporaryFile(prefix="decoder-conformance-gguf-") as unnamed:
+        path = Path(f"/proc/self/fd/{unnamed.fileno()}")
+        if path.exists():
+            yield path
+            return
+    with tempfile.TemporaryDirectory(prefix="decoder-conformance-gguf-") as folder:
+        yield Path(folder) / "model.gguf"
+
+
 def write_gguf(config: DecoderConfig, parameters: Parameters, path: Path) -> None:
     """The model as a user's converter writes it: architecture ``llama``, F32, tied."""
     writer = gguf.GGUFWriter(path, "llama")
@@ -191,8 +210,7 @@ class LlamaCppEngine(BackendBase):
     def build(self, config: DecoderConfig, parameters: Parameters) -> LlamaCppModel:
         entries = [(name, np.asarray(value, dtype=np.float64)) for name, value in parameters]
         stored = [(name, value.astype(np.float32).astype(np.float64)) for name, value in entries]
-        with tempfile.TemporaryDirectory(prefix="decoder-conformance-gguf-") as folder:
-            path = Path(folder) / "model.gguf"
+        with _scratch_file() as path:
             write_gguf(config, entries, path)
             model_parameters = llama_cpp.llama_model_default_params()
             model_parameters.use_mmap = False  # the file is gone once the model is loaded

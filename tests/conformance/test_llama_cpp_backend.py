@@ -6,6 +6,8 @@ these are the quick checks of the adapter's own parts.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -70,7 +72,11 @@ def test_the_loss_is_the_mean_nll_of_llama_cpp_logits(engine: LlamaCppEngine) ->
     assert engine.loss(model, tokens, targets).loss == pytest.approx(expected, abs=1e-12)
 
 
-def test_an_abort_costs_one_call_and_the_next_gets_a_fresh_server() -> None:
+def test_an_abort_costs_one_call_and_the_next_gets_a_fresh_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """... and leaves no model file behind: llama.cpp aborts while loading it."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the server's temporary files go here
     backend = LlamaCppBackend()
     try:
         with pytest.raises(Exception, match=r"SIGABRT[\s\S]*n_layer_all > 0"):
@@ -81,3 +87,4 @@ def test_an_abort_costs_one_call_and_the_next_gets_a_fresh_server() -> None:
         assert backend.forward(model, np.array([[1, 2]])).logits.shape == (1, 2, 7)
     finally:
         backend.close()
+    assert list(tmp_path.iterdir()) == []
