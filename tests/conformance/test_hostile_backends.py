@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -96,11 +97,13 @@ def no_survivors(marker: str, within: float = 5.0) -> list[str]:
 def probe(mode: str, steps: str = "forward", timeout: float = 10.0, **environment: str) -> dict:
     """Run the subprocess adapter against ``hostile_backend MODE`` in a fresh interpreter."""
     marker = f"hostile-{uuid.uuid4().hex}"
-    result = subprocess.run(
-        [sys.executable, "-c", PROBE, f"{HOSTILE} {mode} {marker}", str(timeout), steps],
-        capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
-        env={**os.environ, **environment},
-    )  # fmt: skip
+    # The backends that tamper once remember it in a file of the temporary folder.
+    with tempfile.TemporaryDirectory() as scratch:
+        result = subprocess.run(
+            [sys.executable, "-c", PROBE, f"{HOSTILE} {mode} {marker}", str(timeout), steps],
+            capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
+            env={**os.environ, "TMPDIR": scratch, **environment},
+        )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     report["survivors"] = no_survivors(marker)
@@ -138,12 +141,14 @@ def test_a_backend_that_stops_reading_costs_one_timeout() -> None:
 
 # Row 4: the suite itself is terminated or killed; the backend ignores SIGTERM and EOF.
 @pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGKILL])
-def test_a_stopped_run_leaves_no_backend_behind(signal_number: int) -> None:
+def test_a_stopped_run_leaves_no_backend_behind(signal_number: int, tmp_path: Path) -> None:
+    """... and, stopped by SIGTERM, no temporary folder (SIGKILL gives it no chance)."""
     marker = f"hostile-{uuid.uuid4().hex}"
     run = subprocess.Popen(
         [sys.executable, "-m", "conformance.cli", "run", "--profile", "ci", "--adapter",
          "subprocess", "--backend-command", f"{HOSTILE} ignores-sigterm {marker}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )  # fmt: skip
     assert run.stdout is not None
     deadline = time.monotonic() + 60
@@ -155,6 +160,8 @@ def test_a_stopped_run_leaves_no_backend_behind(signal_number: int) -> None:
     run.send_signal(signal_number)
     run.wait(timeout=30)
     assert no_survivors(marker, within=10) == []
+    if signal_number == signal.SIGTERM:
+        assert list(tmp_path.glob("decoder-conformance-*")) == []
 
 
 # Row 5: Ctrl-C during a run that writes reports.
