@@ -247,7 +247,9 @@ class BackendProcess:
         self._drain_stray()
         self._strays_while_waiting = 0
         self.limit = max(limit, MIN_RESPONSE_BYTES)
-        payload = (json.dumps(message, allow_nan=False) + "\n").encode()
+        # One copy of the text, not three: a build at a scale shape is over a gigabyte.
+        payload = bytearray(json.dumps(message, allow_nan=False), "ascii")  # ensure_ascii
+        payload += b"\n"
         try:
             sent = self._write(payload, deadline)
         except TimeoutError:
@@ -341,7 +343,7 @@ class BackendProcess:
         else:
             self.stray.feed(f"(a stray line of {item.data.received}+ bytes)\n".encode())
 
-    def _write(self, payload: bytes, deadline: float) -> float:
+    def _write(self, payload: bytes | bytearray, deadline: float) -> float:
         """Write all of ``payload`` before ``deadline``; when the last write began (no answer
         can arrive before the request's last byte is sent)."""
         view = memoryview(payload)

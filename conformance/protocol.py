@@ -237,7 +237,8 @@ def _no_constant(text: str) -> float:
 def parse_message(line: str) -> dict[str, Any]:
     """One line of the protocol: a JSON object, or a ``ProtocolError`` quoting what arrived
     (malformed JSON, nesting too deep to parse, numbers too long or outside float64)."""
-    quoted = f"{printable(line.strip(), one_line=True)!r:.200}"
+    # Quoted from its start only: a message can be gigabytes (a build at a scale shape).
+    quoted = f"{printable(line[:400].strip(), one_line=True)!r:.200}"
     try:
         message = json.loads(line, parse_float=_finite_number, parse_constant=_no_constant)
     except ProtocolError as error:

@@ -7,7 +7,9 @@ reports its wall time and peak memory, so the figures are the suite side's alone
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import signal
 import subprocess
@@ -19,8 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from conformance.adapters import reference_server
 from conformance.files import write_atomically
+from conformance.protocol import encode_config
 from conformance.runner import run_suite
+from spec.parameters import parameter_layout
+from spec.scale import SCALE_SHAPES
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = f"{sys.executable} -m tests.conformance.hostile_backend"
@@ -311,6 +317,37 @@ def test_the_reference_server_answers_every_malformed_request() -> None:
     for answer in answers[1:-1]:
         assert answer["ok"] is False and answer["error"]["kind"] == "protocol", answer
         assert answer["error"]["message"]
+
+
+def test_a_request_over_the_line_cap_is_refused_and_the_next_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(reference_server, "MAX_REQUEST_BYTES", 1000)
+    hello = json.dumps({"id": 1, "op": "hello", "protocol": "decoder-conformance", "version": 1})
+    oversized = json.dumps({"id": 2, "op": "hello", "padding": "x" * 5000})
+    sink = io.BytesIO()
+    reference_server.Server().serve(io.BytesIO(f"{oversized}\n\n{hello}\n".encode()), sink)
+    first, second = (json.loads(line) for line in sink.getvalue().splitlines())
+    assert first["error"] == {
+        "kind": "protocol",
+        "message": "request line longer than 1000 bytes",
+        "details": {},
+    }
+    assert second["id"] == 1 and second["ok"], second
+
+
+def test_the_line_cap_holds_the_largest_request_the_suite_sends_twice() -> None:
+    """A build at every scale shape (its float64 parameters as base64, and its envelope)."""
+    for shape in SCALE_SHAPES.values():
+        config = shape.config
+        envelope = len(json.dumps({"id": 2**40, "op": "build", "config": encode_config(config)}))
+        arrays = [
+            len(json.dumps([name, {"dtype": "float64", "shape": list(dims), "data": ""}]))
+            + 4 * math.ceil(8 * math.prod(dims) / 3)
+            for name, dims in parameter_layout(config)
+        ]
+        request = envelope + sum(arrays) + len(arrays) * len(", ")
+        assert 2 * request <= reference_server.MAX_REQUEST_BYTES, (shape.name, request)
 
 
 # Row 13: a backend name and version with newlines and terminal escapes.
