@@ -274,6 +274,14 @@ class BackendProcess:
                 self.stray.feed(line)  # a late repeat of an earlier answer: not this one
                 continue
             break
+        error = response.get("error")
+        if answered is None and response.get("ok") is False and isinstance(error, dict):
+            # The backend could not read the request far enough to know its id.
+            self.stop()
+            raise BackendFault(
+                f"backend could not read the '{operation}' request ({len(payload)} bytes): "
+                f"{printable(str(error.get('message')), one_line=True)!s:.500}{self.stderr()}"
+            )
         if answered != message["id"] or not isinstance(response.get("ok"), bool):
             self.stop()
             raise BackendFault(

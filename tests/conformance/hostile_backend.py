@@ -194,6 +194,17 @@ TAMPERS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str | None]] = {
             }
         )
     ),
+    # What a server answers to a request line it could not read (one over its length cap).
+    "unreadable-build": _once(
+        lambda request: json.dumps(
+            {
+                "id": None,
+                "ok": False,
+                "error": {"kind": "protocol", "message": "request line too long", "details": {}},
+            }
+        ),
+        "build",
+    ),
     "model-not-int": _once(
         lambda request: json.dumps({"id": request["id"], "ok": True, "result": {"model": "abc"}}),
         "build",

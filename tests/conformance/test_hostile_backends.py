@@ -278,6 +278,7 @@ def test_a_dtype_below_the_declared_precision_fails_saying_so() -> None:
         ("huge-shape", "outside the float64 range"),
         ("short-base64", "logits.data holds 4 base64 characters, but shape [1, 3, 5]"),
         ("model-not-int", "result.model must be an integer handle, got 'abc'"),
+        ("unreadable-build", "could not read the 'build' request"),
     ],
 )
 def test_a_malformed_answer_fails_only_its_call_and_restarts_the_backend(
