@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -93,8 +92,12 @@ def test_an_address_space_limit_lowers_the_bound_and_refuses_at_once() -> None:
     """Under ``ulimit -v`` 3 GiB the bound is what is left of it; the 20000 x 10000 table
     (4.5 GiB with its gradients) is refused in microseconds, not after 14 s and 4.7 GB."""
     cap = 3 * 2**30
+    # The child sets the limit itself, first thing: a preexec_fn would fork this process, whose
+    # imported JAX warns that a fork of its threads may deadlock.
     script = (
-        "import time\n"
+        "import resource, time\n"
+        "hard = resource.getrlimit(resource.RLIMIT_AS)[1]\n"
+        f"resource.setrlimit(resource.RLIMIT_AS, ({cap}, hard))\n"
         "from impl.model import DecoderModel\n"
         "from impl.resources import memory_limit\n"
         "from spec.config import DecoderConfig\n"
@@ -108,15 +111,11 @@ def test_an_address_space_limit_lowers_the_bound_and_refuses_at_once() -> None:
         "    print(error)\n"
     )
 
-    def limit_address_space() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
-
     environment = {k: v for k, v in os.environ.items() if k != MEMORY_LIMIT_VARIABLE}
     result = subprocess.run(
         [sys.executable, "-c", script],
         cwd=ROOT,
         env=environment,
-        preexec_fn=limit_address_space,
         capture_output=True,
         text=True,
         timeout=120,
