@@ -236,6 +236,8 @@ def _run_to_the_end(
     finally:
         os.close(leash)
         reader.join(timeout=10)
+        if not reader.is_alive() and process.stdout is not None:
+            process.stdout.close()  # read to its end (a reader still blocked keeps it)
 
 
 def run_suite(
