@@ -150,21 +150,21 @@ def test_a_backend_that_stops_reading_costs_one_timeout() -> None:
 def test_a_stopped_run_leaves_no_backend_behind(signal_number: int, tmp_path: Path) -> None:
     """... and, stopped by SIGTERM, no temporary folder (SIGKILL gives it no chance)."""
     marker = f"hostile-{uuid.uuid4().hex}"
-    run = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-m", "conformance.cli", "run", "--profile", "ci", "--adapter",
          "subprocess", "--backend-command", f"{HOSTILE} ignores-sigterm {marker}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "TMPDIR": str(tmp_path)},
-    )  # fmt: skip
-    assert run.stdout is not None
-    deadline = time.monotonic() + 60
-    for line in run.stdout:  # wait until the suite runs against the backend
-        if "checking" in line or time.monotonic() > deadline:
-            break
-    time.sleep(1)
-    assert survivors(marker), "the backend should be running by now"
-    run.send_signal(signal_number)
-    run.wait(timeout=30)
+    ) as run:  # fmt: skip
+        assert run.stdout is not None
+        deadline = time.monotonic() + 60
+        for line in run.stdout:  # wait until the suite runs against the backend
+            if "checking" in line or time.monotonic() > deadline:
+                break
+        time.sleep(1)
+        assert survivors(marker), "the backend should be running by now"
+        run.send_signal(signal_number)
+        run.wait(timeout=30)
     assert no_survivors(marker, within=10) == []
     if signal_number == signal.SIGTERM:
         assert list(tmp_path.glob("decoder-conformance-*")) == []
