@@ -85,10 +85,11 @@ def _check_no_temporary_file_is_left(session: pytest.Session) -> None:
     if os.environ.get(f"{TEMPORARY_VARIABLE}_OWNER") != str(os.getpid()) or not folder.is_dir():
         return
     left = sorted(entry.name for entry in folder.iterdir() if entry.name.startswith(PREFIXES))
-    if left:
+    if left:  # kept, to be looked at
         _report(session, [f"the test run left {len(left)} temporary file(s) in {folder}:", *left])
-    elif session.exitstatus == pytest.ExitCode.OK:
-        # pytest's tmp_path folders go with it; after a failure they stay, to be looked at.
+    else:
+        # pytest's tmp_path folders go with it, failed tests' too (a folder a run would leave
+        # is one no later run cleans up); `--basetemp DIR` keeps them in DIR instead.
         shutil.rmtree(folder, ignore_errors=True)
 
 
