@@ -388,9 +388,7 @@ class _LlamaServer(Server):
     def parameters(self, request: dict[str, Any]) -> dict[str, Any]:
         """The F32 values as float32, which a float32 backend may send: half the bytes of
         float64 (0.8 GB less at SmolLM2-135M's shape)."""
-        model = self._model(request)
-        if not isinstance(model, LlamaCppModel):
-            return super().parameters(request)
+        model: LlamaCppModel = self._model(request)  # every model here is the engine's
         return {"parameters": encode_parameters(model.parameters)}
 
     def release(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -37,8 +37,9 @@ from spec.recipe import SplitMix64
 __all__ = ["MAX_REQUEST_BYTES", "Server", "main"]
 
 # The largest request the suite sends is a build at the largest scale shape, every float64
-# parameter as base64: 1.44 GB at smollm2-135m (tests/conformance/test_protocol_server.py
-# computes it). Past this a line is read through and refused, never held.
+# parameter as base64: 1.58 GB at smollm2-135m (tests/conformance/test_hostile_backends.py
+# computes it and holds this to twice it). Past this a line is read through and refused,
+# never held.
 MAX_REQUEST_BYTES = 4 << 30
 
 
