@@ -24,11 +24,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from conformance.adapter import BackendLoadError
-from conformance.protocol import ProtocolError, parse_message, printable
+from conformance.protocol import ProtocolError, line_pieces, parse_message, printable
 from conformance.supervisor import TOKEN_VARIABLE, processes_with_token
 
 __all__ = [
@@ -240,29 +241,31 @@ class BackendProcess:
     ) -> dict[str, Any]:
         """Send one request line and wait for its one response line, ``timeout`` seconds in
         all; an answer longer than ``limit`` bytes is a fault."""
-        import json
-
         operation = message.get("op")
         deadline = time.monotonic() + timeout
         self._drain_stray()
         self._strays_while_waiting = 0
         self.limit = max(limit, MIN_RESPONSE_BYTES)
-        # One copy of the text, not three: a build at a scale shape is over a gigabyte.
-        payload = bytearray(json.dumps(message, allow_nan=False), "ascii")  # ensure_ascii
-        payload += b"\n"
+        # Written piece by piece (a build at a scale shape is a line of 1.58 GB); a message
+        # JSON cannot hold is refused here, before a byte is sent.
+        pieces = line_pieces(message)
         try:
-            sent = self._write(payload, deadline)
-        except TimeoutError:
+            sent, length = self._write(pieces, deadline)
+        except TimeoutError as timeout_error:
             self.stop()
             raise BackendFault(
-                f"backend did not read the '{operation}' request ({len(payload)} bytes) within "
-                f"{timeout:g} s (killed){self.stderr()}"
+                f"backend did not read the '{operation}' request within {timeout:g} s "
+                f"({timeout_error.args[0]} bytes of it sent; killed){self.stderr()}"
             ) from None
         except OSError:
             self._wait_briefly()
             raise BackendFault(
                 f"backend process {self._exit_status()} before '{operation}'{self.stderr()}"
             ) from None
+        except BaseException:
+            # Part of a line is in the pipe: nothing after it would be read right.
+            self.stop()
+            raise
         while True:
             response, line = self._answer(operation, timeout, deadline, sent)
             answered = response.get("id")
@@ -279,7 +282,7 @@ class BackendProcess:
             # The backend could not read the request far enough to know its id.
             self.stop()
             raise BackendFault(
-                f"backend could not read the '{operation}' request ({len(payload)} bytes): "
+                f"backend could not read the '{operation}' request ({length} bytes): "
                 f"{printable(str(error.get('message')), one_line=True)!s:.500}{self.stderr()}"
             )
         if answered != message["id"] or not isinstance(response.get("ok"), bool):
@@ -351,27 +354,30 @@ class BackendProcess:
         else:
             self.stray.feed(f"(a stray line of {item.data.received}+ bytes)\n".encode())
 
-    def _write(self, payload: bytes | bytearray, deadline: float) -> float:
-        """Write all of ``payload`` before ``deadline``; when the last write began (no answer
-        can arrive before the request's last byte is sent)."""
-        view = memoryview(payload)
-        began = time.monotonic()
-        while view:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError
-            _, writable, _ = select.select([], [self._stdin], [], min(remaining, _POLL_SECONDS))
-            if not writable:
-                if self.popen.poll() is not None:
-                    raise BrokenPipeError(errno.EPIPE, "backend exited")
-                continue
-            began = time.monotonic()
-            try:
-                written = os.write(self._stdin, view)
-            except BlockingIOError:
-                continue
-            view = view[written:]
-        return began
+    def _write(self, pieces: Iterable[bytes], deadline: float) -> tuple[float, int]:
+        """Write every piece before ``deadline``: when the last write began (no answer can
+        arrive before the request's last byte is sent) and how many bytes went. At the
+        deadline, ``TimeoutError(bytes sent)``."""
+        began, sent = time.monotonic(), 0
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(sent)
+                ready = select.select([], [self._stdin], [], min(remaining, _POLL_SECONDS))
+                if not ready[1]:
+                    if self.popen.poll() is not None:
+                        raise BrokenPipeError(errno.EPIPE, "backend exited")
+                    continue
+                began = time.monotonic()
+                try:
+                    written = os.write(self._stdin, view)
+                except BlockingIOError:
+                    continue
+                view = view[written:]
+                sent += written
+        return began, sent
 
     def _next_line(self, deadline: float, sent: float) -> bytes | _Oversized | None:
         """The next output line that arrived after the request was ``sent`` and may be an

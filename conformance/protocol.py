@@ -12,7 +12,7 @@ import binascii
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -22,6 +22,7 @@ import numpy.typing as npt
 from spec.config import DecoderConfig
 
 __all__ = [
+    "LINE_PIECE_BYTES",
     "PROTOCOL_NAME",
     "PROTOCOL_VERSION",
     "ProtocolError",
@@ -33,6 +34,7 @@ __all__ = [
     "encode_config",
     "encode_input",
     "encode_parameters",
+    "line_pieces",
     "parse_message",
     "printable",
 ]
@@ -50,6 +52,10 @@ MAX_NAME_LENGTH = 200
 # Control characters (terminal escapes, carriage returns, bidirectional overrides) that a
 # backend's text must not smuggle into a terminal or a Markdown table.
 _UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+# A line is written in pieces of about this many bytes: a build request at SmolLM2-135M's
+# shape is one line of 1.58 GB, and made whole, as text and then as bytes, it was the largest
+# allocation of both processes.
+LINE_PIECE_BYTES = 1 << 22
 
 
 class ProtocolError(ValueError):
@@ -202,9 +208,11 @@ def encode_parameters(parameters: Sequence[tuple[str, npt.ArrayLike]]) -> list[l
 
 
 def decode_parameters(
-    message: object, what: str = "parameters"
+    message: object, what: str = "parameters", *, consume: bool = False
 ) -> list[tuple[str, npt.NDArray[Any]]]:
-    """The named arrays of an :func:`encode_parameters` message."""
+    """The named arrays of an :func:`encode_parameters` message. With ``consume``, each
+    entry of the message list is replaced by None once decoded, so its base64 text can go
+    while the rest is decoded (a build at a scale shape carries 1.44 GB of it)."""
     if not isinstance(message, list):
         raise ProtocolError(f"{what} must be a list of [name, array] pairs")
     decoded = []
@@ -220,6 +228,8 @@ def decode_parameters(
                 f"{MAX_NAME_LENGTH} characters, got {printable(repr(entry), one_line=True):.200}"
             )
         decoded.append((entry[0], decode_array(entry[1], f"{what}[{index}]")))
+        if consume:
+            message[index] = None
     return decoded
 
 
@@ -232,6 +242,47 @@ def _finite_number(text: str) -> float:
 
 def _no_constant(text: str) -> float:
     raise ProtocolError(f"{text} is not JSON (the protocol sends non-finite floats as hex)")
+
+
+def line_pieces(message: Mapping[str, Any]) -> Iterator[bytes]:
+    """``message`` as one protocol line (JSON in ASCII, then a newline), in pieces of about
+    :data:`LINE_PIECE_BYTES`: no copy of the whole line is made. Checked before any piece
+    exists: a value JSON cannot hold (a non-finite float, an object) raises ``ValueError`` or
+    ``TypeError`` from this call, so a caller that has not begun writing has written nothing."""
+    json.dumps(_outline(message), allow_nan=False)
+    return _pieces(message)
+
+
+def _outline(value: object) -> object:
+    """``value`` with every string emptied: whatever JSON could refuse in it, in a few bytes
+    (strings it cannot refuse: ``ensure_ascii`` escapes any character)."""
+    if isinstance(value, str):
+        return ""
+    if isinstance(value, Mapping):
+        return {key: _outline(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_outline(item) for item in value]
+    return value
+
+
+def _pieces(message: Mapping[str, Any]) -> Iterator[bytes]:
+    waiting: list[str] = []
+    waiting_size = 0
+    for text in json.JSONEncoder(allow_nan=False).iterencode(message):
+        if len(text) >= LINE_PIECE_BYTES:  # an array's base64: sent in slices, not copied whole
+            if waiting:
+                yield "".join(waiting).encode("ascii")
+                waiting, waiting_size = [], 0
+            for start in range(0, len(text), LINE_PIECE_BYTES):
+                yield text[start : start + LINE_PIECE_BYTES].encode("ascii")
+            continue
+        waiting.append(text)
+        waiting_size += len(text)
+        if waiting_size >= LINE_PIECE_BYTES:
+            yield "".join(waiting).encode("ascii")
+            waiting, waiting_size = [], 0
+    waiting.append("\n")
+    yield "".join(waiting).encode("ascii")
 
 
 def parse_message(line: str) -> dict[str, Any]:

@@ -1,0 +1,143 @@
+"""Protocol lines of real-model size: written in pieces, checked before the first byte.
+
+A build at SmolLM2-135M's shape is one request line of 1.58 GB. Made whole, as text and then
+as bytes, it was the largest allocation of the suite and of the server; both now write a line
+piece by piece, and the server lets a request's text go once it is parsed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+import tracemalloc
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conformance import protocol
+from conformance.adapters import reference_server
+from conformance.backend_process import BackendProcess
+from conformance.protocol import (
+    decode_parameters,
+    encode_config,
+    encode_parameters,
+    line_pieces,
+)
+from spec.config import FIXTURE
+from spec.parameters import parameter_layout
+from spec.recipe import initial_parameters
+
+HELLO = {"op": "hello", "protocol": "decoder-conformance", "version": 1}
+SERVER = [sys.executable, "-m", "conformance.adapters.reference_server"]
+
+
+@pytest.fixture
+def backend() -> Iterator[BackendProcess]:
+    process = BackendProcess(SERVER)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def test_the_pieces_make_the_json_line_and_each_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "LINE_PIECE_BYTES", 64)
+    message = {
+        "id": 7,
+        "op": "build",
+        "text": 'é\u2028\x1b"\\' * 30,  # escaped by ensure_ascii, several times 64 bytes
+        "reals": [0.1, -2.5e-300, 1e300],
+        "nested": {"empty": [], "long": "x" * 1000, "short": "y", "flag": None},
+        "many": [str(index) for index in range(200)],
+    }
+    pieces = list(line_pieces(message))
+    assert b"".join(pieces) == (json.dumps(message) + "\n").encode("ascii")
+    assert len(pieces) > 10 and max(len(piece) for piece in pieces) <= 2 * 64
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(math.nan, ValueError), (math.inf, ValueError), (object(), TypeError)]
+)
+def test_a_message_json_cannot_hold_raises_before_any_piece_is_made(
+    value: object, error: type[Exception]
+) -> None:
+    message = {"id": 1, "op": "build", "data": "x" * 100, "deep": [{"value": value}]}
+    with pytest.raises(error):
+        line_pieces(message)  # the call itself, not the first piece
+
+
+def test_a_request_json_cannot_hold_sends_nothing_and_the_backend_goes_on(
+    backend: BackendProcess,
+) -> None:
+    with pytest.raises(ValueError):
+        backend.exchange({"id": 1, **HELLO, "padding": "x" * 100_000, "x": math.nan}, 60)
+    assert backend.alive()
+    answer = backend.exchange({"id": 2, **HELLO}, 60)
+    assert answer["id"] == 2 and answer["ok"], answer
+
+
+def test_a_request_is_sent_without_a_copy_of_its_whole_line(
+    backend: BackendProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """32 MB of request text in 1 MB pieces: the old client made it whole twice (text, then
+    bytes); now what it holds at once is a few pieces (an escaped string and a piece of it)."""
+    monkeypatch.setattr(protocol, "LINE_PIECE_BYTES", 1 << 20)
+    padding = ["p" * (1 << 21) for _ in range(16)]
+    line_bytes = len(json.dumps({"id": 1, **HELLO, "padding": padding})) + 1
+    tracemalloc.start()
+    try:
+        answer = backend.exchange({"id": 1, **HELLO, "padding": padding}, 60)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert answer["ok"], answer
+    assert peak < line_bytes // 4, (peak, line_bytes)
+
+
+def test_an_answer_json_cannot_hold_is_an_internal_error_and_the_server_goes_on() -> None:
+    server = reference_server.Server()
+    server.operations["broken"] = lambda request: {"value": math.nan}
+    requests = [json.dumps({"id": 1, "op": "broken"}), json.dumps({"id": 2, **HELLO})]
+    sink = io.BytesIO()
+    server.serve(io.BytesIO("\n".join(requests).encode() + b"\n"), sink)
+    first, second = (json.loads(line) for line in sink.getvalue().splitlines())
+    assert first["id"] == 1 and not first["ok"], first
+    assert first["error"]["kind"] == "internal"
+    assert "not JSON" in first["error"]["message"] and "Out of range float" in str(first)
+    assert second["id"] == 2 and second["ok"], second
+
+
+def _build_request() -> dict[str, Any]:
+    parameters = initial_parameters(FIXTURE.config, 0)
+    return {
+        "id": 3,
+        "op": "build",
+        "config": encode_config(FIXTURE.config),
+        "parameters": encode_parameters(parameters),
+    }
+
+
+def test_decoding_can_let_each_entry_go_once_decoded() -> None:
+    message = _build_request()["parameters"]
+    kept = decode_parameters(message)
+    assert all(entry is not None for entry in message)
+    consumed = decode_parameters(message, consume=True)
+    assert message == [None] * len(kept)
+    for (name, value), (same_name, same_value) in zip(kept, consumed, strict=True):
+        assert name == same_name and np.array_equal(value, same_value)
+
+
+def test_a_build_takes_its_parameters_out_of_the_request() -> None:
+    server = reference_server.Server()
+    request = _build_request()
+    answer = server.answer_request(request)
+    assert answer["ok"], answer
+    assert "parameters" not in request
+    handle = answer["result"]["model"]
+    returned = server.answer_request({"id": 4, "op": "parameters", "model": handle})["result"]
+    names = [name for name, _ in returned["parameters"]]
+    assert names == [name for name, _ in parameter_layout(FIXTURE.config)]
