@@ -11,7 +11,6 @@ what it keeps are the outputs (the stages, the logits, the gradients).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from conformance.adapter import Backend, FloatArray, ForwardOutput, LossOutput
 from conformance.checks import Case
 from conformance.guard import AdapterFault
+from conformance.heap import return_freed_memory
 from spec.scale import ScaleShape, scale_shape
 from spec.variants import scenario_parameters
 
@@ -75,7 +75,7 @@ class ShapeRuns:
             del model, forward, loss
             gc.collect()
             release_buffers()  # the reference's reusable buffers go back before the backend runs
-            _return_freed_memory()
+            return_freed_memory()
         return self._reference
 
     def model(self) -> Any:
@@ -83,7 +83,7 @@ class ShapeRuns:
         if self._model is None:
             self._model = self.backend.build(self.shape.config, self.parameters)
             self._parameters = []  # 1 GB at SmolLM2-135M's shape: drawn again if needed
-            _return_freed_memory()  # the conversions a build makes are gigabytes at this size
+            return_freed_memory()  # the conversions a build makes are gigabytes at this size
         return self._model
 
     def forward(self) -> ForwardOutput:
@@ -94,7 +94,7 @@ class ShapeRuns:
             with contextlib.suppress(Exception, AdapterFault):  # the loss's rules report it
                 self.loss()
             self._forward = self.backend.forward(self.model(), self.tokens)
-            _return_freed_memory()
+            return_freed_memory()
         return self._forward
 
     def loss(self) -> LossOutput:
@@ -109,7 +109,7 @@ class ShapeRuns:
                 self._loss_error = error.with_traceback(None)
                 raise
             finally:
-                _return_freed_memory()
+                return_freed_memory()
         return self._loss
 
     def case(self, call: str = "backend.forward(model, tokens)", **notes: Any) -> Case:
@@ -129,17 +129,6 @@ class ShapeRuns:
         )
 
 
-def _return_freed_memory() -> None:
-    """Give the heap's freed pages back to the system (glibc's ``malloc_trim``): the
-    reference's freed activations, gigabytes at SmolLM2-135M's shape, otherwise stay resident
-    while the backend runs. Elsewhere nothing happens."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.malloc_trim(0)
-
-
 _HELD: list[ShapeRuns] = []  # the current shape's runs only
 
 
@@ -149,7 +138,7 @@ def runs_at(name: str, backend: Backend) -> ShapeRuns:
         return _HELD[0]
     _HELD.clear()
     gc.collect()
-    _return_freed_memory()
+    return_freed_memory()
     shape = scale_shape(name)
     tokens, targets = shape.tokens_and_targets()
     runs = ShapeRuns(shape, backend, tokens, targets)

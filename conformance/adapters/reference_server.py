@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 
 from conformance.adapter import Backend, Refusal
 from conformance.adapters.reference import ReferenceBackend
+from conformance.heap import return_freed_memory
 from conformance.protocol import (
     PROTOCOL_NAME,
     PROTOCOL_VERSION,
@@ -42,6 +43,9 @@ __all__ = ["MAX_REQUEST_BYTES", "Server", "main"]
 # computes it and holds this to twice it). Past this a line is read through and refused,
 # never held.
 MAX_REQUEST_BYTES = 4 << 30
+# After a request or answer longer than this (a build, a forward with its stages, gradients
+# at a scale shape), the heap's freed pages go back to the system before the next request.
+_LARGE_LINE_BYTES = 16 << 20
 
 
 class Server:
@@ -244,6 +248,7 @@ class Server:
             line = _request_line(source)
             if line == "":
                 return  # the end of input
+            received = MAX_REQUEST_BYTES + 1 if line is None else len(line)
             if line is None:
                 answer = _error(
                     None, "protocol", f"request line longer than {MAX_REQUEST_BYTES} bytes"
@@ -261,9 +266,14 @@ class Server:
                     line = None
                     answer = self.answer_request(request)
                     del request
+            sent = 0
             for piece in _answer_pieces(answer):
                 sink.write(piece)
+                sent += len(piece)
             sink.flush()
+            del answer
+            if max(received, sent) > _LARGE_LINE_BYTES:
+                return_freed_memory()
             if not self.running:
                 return
 

@@ -141,3 +141,17 @@ def test_a_build_takes_its_parameters_out_of_the_request() -> None:
     returned = server.answer_request({"id": 4, "op": "parameters", "model": handle})["result"]
     names = [name for name, _ in returned["parameters"]]
     assert names == [name for name, _ in parameter_layout(FIXTURE.config)]
+
+
+def test_the_server_returns_freed_memory_after_large_lines_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trims: list[int] = []
+    monkeypatch.setattr(reference_server, "return_freed_memory", lambda: trims.append(1))
+    monkeypatch.setattr(reference_server, "_LARGE_LINE_BYTES", 1000)
+    small = json.dumps({"id": 1, **HELLO})
+    large_request = json.dumps({"id": 2, **HELLO, "padding": "x" * 2000})
+    requests = "\n".join([small, large_request, small.replace("1", "3", 1)]) + "\n"
+    sink = io.BytesIO()
+    reference_server.Server().serve(io.BytesIO(requests.encode()), sink)
+    assert len(sink.getvalue().splitlines()) == 3 and len(trims) == 1
