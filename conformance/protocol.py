@@ -244,12 +244,15 @@ def _no_constant(text: str) -> float:
     raise ProtocolError(f"{text} is not JSON (the protocol sends non-finite floats as hex)")
 
 
-def line_pieces(message: Mapping[str, Any]) -> Iterator[bytes]:
+def line_pieces(message: dict[str, Any]) -> Iterator[bytes]:
     """``message`` as one protocol line (JSON in ASCII, then a newline), in pieces of about
     :data:`LINE_PIECE_BYTES`: no copy of the whole line is made. Checked before any piece
     exists: a value JSON cannot hold (a non-finite float, an object) raises ``ValueError`` or
     ``TypeError`` from this call, so a caller that has not begun writing has written nothing."""
-    json.dumps(_outline(message), allow_nan=False)
+    try:
+        json.dumps(_outline(message), allow_nan=False)
+    except RecursionError:  # what json.dumps itself says of a circular message
+        raise ValueError("the message is circular or nested too deeply for JSON") from None
     return _pieces(message)
 
 
@@ -258,14 +261,14 @@ def _outline(value: object) -> object:
     (strings it cannot refuse: ``ensure_ascii`` escapes any character)."""
     if isinstance(value, str):
         return ""
-    if isinstance(value, Mapping):
+    if isinstance(value, dict):  # another mapping stays, for json.dumps to refuse as it would
         return {key: _outline(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
         return [_outline(item) for item in value]
     return value
 
 
-def _pieces(message: Mapping[str, Any]) -> Iterator[bytes]:
+def _pieces(message: dict[str, Any]) -> Iterator[bytes]:
     waiting: list[str] = []
     waiting_size = 0
     for text in json.JSONEncoder(allow_nan=False).iterencode(message):

@@ -206,11 +206,8 @@ class Server:
 
     def answer(self, line: str) -> dict[str, Any]:
         """The response to one request line."""
-        try:
-            request = parse_message(line)
-        except ProtocolError as problem:
-            return _error(None, "protocol", str(problem))
-        return self.answer_request(request)
+        request, refusal = _parsed(line)
+        return refusal if request is None else self.answer_request(request)
 
     def answer_request(self, request: dict[str, Any]) -> dict[str, Any]:
         """The response to one parsed request (a build's parameters are taken out of it)."""
@@ -256,14 +253,11 @@ class Server:
             elif line.isspace():  # (not strip(): that would copy a line of gigabytes)
                 continue
             else:
-                try:
-                    request = parse_message(line)
-                except ProtocolError as problem:
-                    answer = _error(None, "protocol", str(problem))
-                else:
-                    # Parsed, its text can go before the work starts (1.58 GB for a build
-                    # at SmolLM2-135M's shape).
-                    line = None
+                request, answer = _parsed(line)
+                # Parsed, its text can go before the work starts (1.58 GB for a build at
+                # SmolLM2-135M's shape).
+                line = None
+                if request is not None:
                     answer = self.answer_request(request)
                     del request
             sent = 0
@@ -276,6 +270,18 @@ class Server:
                 return_freed_memory()
             if not self.running:
                 return
+
+
+def _parsed(line: str) -> tuple[dict[str, Any], dict[str, Any]] | tuple[None, dict[str, Any]]:
+    """The request a line holds, and the answer for a line that holds none: a ``protocol``
+    error for what is not a request, ``internal`` for what failed reading it (memory for a
+    line of gigabytes)."""
+    try:
+        return parse_message(line), {}
+    except ProtocolError as problem:
+        return None, _error(None, "protocol", str(problem))
+    except Exception as problem:  # the server answers; it does not die
+        return None, _error(None, "internal", f"{type(problem).__name__}: {problem}")
 
 
 def _answer_pieces(answer: dict[str, Any]) -> Iterator[bytes]:
