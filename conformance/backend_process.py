@@ -16,6 +16,7 @@ import contextlib
 import errno
 import os
 import queue
+import re
 import secrets
 import select
 import shlex
@@ -65,7 +66,7 @@ class Tail:
         self._dropped = 0
         self._lock = threading.Lock()
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         """Take a chunk of the stream."""
         with self._lock:
             while data:
@@ -76,6 +77,15 @@ class Tail:
                 self._dropped += max(len(piece) - max(room, 0), 0)
                 if cut >= 0:
                     self._close_line()
+
+    def feed_line(self, head: bytes, size: int) -> None:
+        """Take a whole line of ``size`` bytes of which only ``head`` was kept."""
+        content, newline, _ = head.partition(b"\n")
+        self.feed(content)
+        if not newline:  # only its start was kept: the rest, less the newline, is counted
+            with self._lock:
+                self._dropped += max(size - len(head) - 1, 0)
+        self.feed(b"\n")
 
     def _close_line(self) -> None:
         text = printable(self._partial.decode("utf-8", errors="replace"))
@@ -110,14 +120,20 @@ class _Line:
     """One line of output and when it arrived (a line that arrived before a request was
     fully sent cannot be its answer)."""
 
-    data: bytes | _Oversized
+    data: bytearray | _Oversized
     arrived: float
 
 
-def _may_be_an_answer(data: bytes | _Oversized) -> bool:
+# An answer's first non-blank byte (matched in place: a line can be gigabytes).
+_ANSWER_START = re.compile(rb"\s*[{\[]")
+# What is kept of an answer line once it is parsed, for the messages that quote it.
+_QUOTED_BYTES = 400
+
+
+def _may_be_an_answer(data: bytearray | _Oversized) -> bool:
     """Every answer is a JSON object, so a line that starts with neither ``{`` nor ``[`` (a
     malformed attempt at one) is a print, not an answer; an oversized line counts as one."""
-    return not isinstance(data, bytes) or data.lstrip()[:1] in (b"{", b"[")
+    return not isinstance(data, bytearray) or _ANSWER_START.match(data) is not None
 
 
 class BackendProcess:
@@ -204,8 +220,9 @@ class BackendProcess:
                     skipping = 1 if cut < 0 else 0
                     continue
                 if cut >= 0:
-                    self.lines.put(_Line(bytes(line), time.monotonic()))
-                    line.clear()
+                    # Handed over, not copied: an answer can be gigabytes.
+                    self.lines.put(_Line(line, time.monotonic()))
+                    line = bytearray()
         self.lines.put(None)
 
     def _read_stderr(self) -> None:
@@ -267,14 +284,15 @@ class BackendProcess:
             self.stop()
             raise
         while True:
-            response, line = self._answer(operation, timeout, deadline, sent)
+            response, quoted, size = self._answer(operation, timeout, deadline, sent)
             answered = response.get("id")
             if (
                 isinstance(answered, int)
                 and not isinstance(answered, bool)
                 and answered < message["id"]
             ):
-                self.stray.feed(line)  # a late repeat of an earlier answer: not this one
+                # A late repeat of an earlier answer: not this one.
+                self.stray.feed_line(quoted, size)
                 continue
             break
         error = response.get("error")
@@ -289,14 +307,14 @@ class BackendProcess:
             self.stop()
             raise BackendFault(
                 f"backend answered '{operation}' with a malformed response "
-                f"{printable(line.decode('utf-8', errors='replace').strip())!r:.300}"
+                f"{printable(quoted.decode('utf-8', errors='replace').strip())!r:.300}"
                 f"{self.stderr()}"
             )
         return response
 
     def _answer(
         self, operation: object, timeout: float, deadline: float, sent: float
-    ) -> tuple[dict[str, Any], bytes]:
+    ) -> tuple[dict[str, Any], bytes, int]:
         """The next answer line, parsed; a BackendFault for a timeout, an exit, an answer
         over the limit, or a line that is no JSON object."""
         try:
@@ -327,8 +345,11 @@ class BackendProcess:
                 f"the limit of {line.limit} bytes (twice the largest legitimate answer, 1 MiB at "
                 f"least; killed){self.stderr()}"
             )
+        quoted, size = bytes(line[:_QUOTED_BYTES]), len(line)
+        text = line.decode("utf-8", errors="replace")
+        del line  # parsed from its text alone: the bytes of a line of gigabytes can go
         try:
-            return parse_message(line.decode("utf-8", errors="replace")), line
+            return parse_message(text), quoted, size
         except ProtocolError as error:
             self.stop()
             raise BackendFault(
@@ -349,7 +370,7 @@ class BackendProcess:
             self._keep_stray(item)
 
     def _keep_stray(self, item: _Line) -> None:
-        if isinstance(item.data, bytes):
+        if isinstance(item.data, bytearray):
             self.stray.feed(item.data)
         else:
             self.stray.feed(f"(a stray line of {item.data.received}+ bytes)\n".encode())
@@ -379,7 +400,7 @@ class BackendProcess:
                 sent += written
         return began, sent
 
-    def _next_line(self, deadline: float, sent: float) -> bytes | _Oversized | None:
+    def _next_line(self, deadline: float, sent: float) -> bytearray | _Oversized | None:
         """The next output line that arrived after the request was ``sent`` and may be an
         answer, or None once the process has exited; TimeoutError at the deadline. Other lines
         are stray (a debug print after the previous answer) and kept for the diagnostics: the
