@@ -16,7 +16,7 @@ transposed. :class:`Convention` does both, and maps the names.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,9 +115,16 @@ class Convention:
         self, config: DecoderConfig, parameters: Sequence[tuple[str, npt.ArrayLike]]
     ) -> dict[str, Array]:
         """The spec's stable-order parameters as their state: their names, their layout."""
-        return {
-            self.name_of(name): self.to_theirs(config, name, value) for name, value in parameters
-        }
+        return dict(self.export_each(config, parameters))
+
+    def export_each(
+        self, config: DecoderConfig, parameters: Sequence[tuple[str, npt.ArrayLike]]
+    ) -> Iterator[tuple[str, Array]]:
+        """:meth:`export` one parameter at a time: a consumer that stores each in its own
+        format holds one float64 copy at a time (the whole model in float64 is 1.08 GB at
+        SmolLM2-135M's shape)."""
+        for name, value in parameters:
+            yield self.name_of(name), self.to_theirs(config, name, value)
 
     def load(
         self, config: DecoderConfig, state: Mapping[str, npt.ArrayLike]

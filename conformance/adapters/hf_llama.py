@@ -83,7 +83,7 @@ class HFLlamaBackend(BackendBase):
         torch.nn.Module.train(model, False)
         hf_parameters = dict(model.named_parameters())
         with torch.no_grad():
-            for theirs, value in HF_LLAMA.export(config, parameters).items():
+            for theirs, value in HF_LLAMA.export_each(config, parameters):
                 hf_parameters[theirs].copy_(torch.as_tensor(value, dtype=self.dtype))
         if model.lm_head.weight is not model.model.embed_tokens.weight:
             raise RuntimeError("transformers did not tie lm_head to embed_tokens")

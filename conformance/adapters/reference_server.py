@@ -289,7 +289,7 @@ def _answer_pieces(answer: dict[str, Any]) -> Iterator[bytes]:
     non-finite float or an object in it) becomes an internal error, not a dead server."""
     try:
         return line_pieces(answer)
-    except (TypeError, ValueError, RecursionError) as problem:
+    except (TypeError, ValueError) as problem:
         identifier = answer.get("id")
         message = f"the answer is not JSON: {type(problem).__name__}: {problem}"
         return line_pieces(_error(identifier, "internal", message))
