@@ -86,6 +86,14 @@ class ShapeRuns:
             return_freed_memory()  # the conversions a build makes are gigabytes at this size
         return self._model
 
+    def drop_model(self) -> None:
+        """Let the backend's model go, to be built again if a later rule asks for it: a rule
+        that builds a second model at this shape holds one model, not two (over llama.cpp's
+        protocol server at SmolLM2-135M's shape, 1.2 GB of the server's peak)."""
+        self._model = None
+        gc.collect()
+        return_freed_memory()
+
     def forward(self) -> ForwardOutput:
         """The backend's forward pass over the shape's tokens."""
         if self._forward is None:

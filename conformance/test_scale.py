@@ -174,6 +174,8 @@ def test_one_table_serves_both_roles_at_scale(
     formula = f"{parameter_count(config)} (Vd + N(4d^2 + 3df + 2d) + d: one table, no head)"
     check.check(count == parameter_count(config), "parameter scalars", count, formula)
     del named
+    before = np.asarray(runs.forward().logits)[0]
+    runs.drop_model()  # the changed model is built while only the answers above are held
     row, first_use = _looked_up_late(runs.tokens[0])
     scaled = np.where(np.arange(config.vocabulary_size) == row, -1.5, 1.0)[:, None]
     shape = runs.shape
@@ -183,7 +185,6 @@ def test_one_table_serves_both_roles_at_scale(
     ]
     changed = backend.forward(backend.build(config, parameters), runs.tokens)
     del parameters
-    before = np.asarray(runs.forward().logits)[0]
     after = np.asarray(changed.logits)[0]
     call = (
         f"parameters = [(n, v * np.where(np.arange({config.vocabulary_size}) == {row}, -1.5, "

@@ -216,6 +216,41 @@ def test_the_shapes_reference_run_is_the_reference_model() -> None:
     assert len(run.gradients) == 2 + 9 * shape.config.layers
 
 
+def test_a_dropped_model_is_let_go_and_built_again_from_the_same_parameters() -> None:
+    """SCALE-TYING builds its changed model after dropping the shape's own: the suite keeps no
+    reference to the first, and a rule that runs later (in a random order) gets it rebuilt."""
+    import gc
+    import weakref
+
+    from conformance.adapters.reference import ReferenceBackend
+
+    class CountingBackend(ReferenceBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.built: list[list[tuple[str, np.ndarray]]] = []
+
+        def build(self, config, parameters):  # type: ignore[no-untyped-def]
+            self.built.append([(name, np.array(value)) for name, value in parameters])
+            return super().build(config, parameters)
+
+    backend = CountingBackend()
+    runs = runs_at("smoke", backend)
+    first = runs.model()
+    forward = runs.forward()
+    gone = weakref.ref(first)
+    del first
+    runs.drop_model()
+    gc.collect()
+    assert gone() is None
+    again = runs.forward()
+    assert again is forward  # the answers taken are kept, not recomputed
+    rebuilt = runs.model()
+    assert len(backend.built) == 2
+    for (name, value), (same, rebuilt_value) in zip(*backend.built, strict=True):
+        assert name == same and np.array_equal(value, rebuilt_value)
+    assert np.array_equal(backend.forward(rebuilt, runs.tokens).logits, forward.logits)
+
+
 def test_tolerances_show_prints_the_growth_fit_and_the_scale_bounds() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "conformance.cli", "tolerances", "show"],
