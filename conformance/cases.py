@@ -23,6 +23,7 @@ __all__ = [
     "large_scales",
     "must_differ",
     "scenarios",
+    "score_scale",
     "suite_configs",
 ]
 
@@ -93,6 +94,36 @@ def large_scales(
     terms = np.abs(np.asarray(final_norm, dtype=np.float64)) @ np.abs(np.asarray(table)).T
     largest = max((float(np.max(np.abs(value))) for value in gradients), default=1.0)
     return LargeScales(terms, float(np.max(terms)), largest)
+
+
+def score_scale(
+    config: DecoderConfig,
+    parameters: list[tuple[str, npt.NDArray[np.float64]]],
+    stages: list[tuple[str, npt.NDArray[np.float64]]],
+) -> float:
+    """An upper bound on every attention score's terms, ``sum_i |q_i k_i| / sqrt(hw)``, over
+    the blocks, heads and positions of a run (from its exact stages): a correct score is off
+    by a few roundings of its terms, and a softmax weight moves by its score's error, so a
+    correct backend's error follows this where the ``sharp`` variant makes it large.
+
+    By Cauchy-Schwarz the terms are at most ``|q| |k| / sqrt(hw)``, and RoPE turns each pair
+    of features without changing its length, so the bound needs no rotation."""
+    named = dict(parameters)
+    inputs = [value for _, value in stages][: config.layers]
+    head_width = config.model_width // config.heads
+    largest = 1.0
+    for layer, hidden in enumerate(inputs):
+        prefix = f"blocks.{layer}."
+        mean_square = np.mean(np.square(hidden), axis=-1, keepdims=True)
+        normalized = hidden / np.sqrt(mean_square + config.rms_epsilon)
+        normalized = normalized * named[prefix + "attention_norm.gain"]
+        lengths = []
+        for role in ("query", "key"):
+            projected = normalized @ named[f"{prefix}attention.{role}.weight"]
+            per_head = projected.reshape(*projected.shape[:-1], config.heads, head_width)
+            lengths.append(np.max(np.linalg.norm(per_head, axis=-1), axis=(0, 1)))
+        largest = max(largest, float(np.max(lengths[0] * lengths[1])) / np.sqrt(head_width))
+    return largest
 
 
 @dataclass(frozen=True)

@@ -100,8 +100,9 @@ class Judge:
         if not condition:
             self.fail(what, got, expected)
 
-    def finite(self, what: str, got: npt.ArrayLike) -> None:
-        """Fail, naming the first one, unless every value is finite."""
+    def finite(self, what: str, got: npt.ArrayLike, *, hint: str = "") -> None:
+        """Fail, naming the first one, unless every value is finite; ``hint`` ends the
+        message."""
         got_array = np.asarray(got, dtype=np.float64)
         bad = ~np.isfinite(got_array)
         if not bad.any():
@@ -111,7 +112,7 @@ class Judge:
         self.fail(
             location,
             f"{float(got_array[index])!r} (not finite; {int(bad.sum())} of {bad.size} elements)",
-            "finite",
+            "finite" + (f"; {hint}" if hint else ""),
         )
 
     @staticmethod
@@ -148,7 +149,7 @@ class Judge:
             list(got_array.shape),
             list(exact_array.shape),
         )
-        self.finite(what, got_array)
+        self.finite(what, got_array, hint=hint)
         errors = (
             scaled_error(got_array, exact_array)
             if scale is None

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import mpmath
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import example, given
 
 from conformance.adapter import Backend, Capability, FloatArray
-from conformance.cases import Scenario, large_scales, scenarios
+from conformance.cases import Scenario, large_scales, scenarios, score_scale
 from conformance.checks import Case, Judge
 from conformance.conditioning import case_bounds
 from conformance.layouts import ROTATED, from_rotate_half
@@ -261,6 +262,67 @@ def test_large_logits_keep_the_loss_finite_and_exact(
         check.close(
             f"gradient of {name}", got[name], expected, bound.gradients, scale=scales.gradients
         )
+
+
+# Position 0 sees only itself, and RoPE leaves it unturned: in the first sequence its scores
+# are -1359 in head 0 and 1093 in head 1, so without the row maximum exp gives 0 / 0 in one
+# head and inf / inf in the other, whatever a profile draws.
+SHARP_ROWS = Scenario(
+    DecoderConfig(6, 8, 2, 6, 2, 5),
+    seed=9,
+    tokens=np.array([[1, 5, 1, 1, 4], [3, 0, 0, 2, 4]]),
+    targets=np.array([[5, 1, 1, 4, 0], [0, 0, 2, 4, 3]]),
+    variant="sharp",
+)
+
+
+@pytest.mark.rule("VALUE-LARGE-SCORES")
+@suite_settings(cost=2)
+@given(scenario=scenarios(min_layers=1, variants=("sharp",)))
+@example(scenario=SHARP_ROWS)
+def test_large_attention_scores_keep_every_stage_finite_and_exact(
+    backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
+) -> None:
+    """Query and key matrices 16 times larger (``spec.variants``, variant ``sharp``) put the
+    attention scores in the hundreds and thousands, where exp overflows (or every weight of
+    a row underflows to 0) unless the row maximum is subtracted first."""
+    if not scenario.representable(backend.precision):
+        return
+    bound = case_bounds(tolerance, scenario)
+    model = scenario.build(backend)
+    stages, logits, loss = _oracle(scenario)
+    # Errors are judged at the scores' scale: a correct score is off by a few roundings of
+    # its terms, thousands here, and each softmax weight moves with it (over 600 cases a
+    # correct torch float64 put a stage 2.3e-13 off, six times the float64 bound, and the
+    # reference 1.6e-13).
+    scale = score_scale(scenario.config, scenario.parameters(), stages)
+
+    def hint(values: npt.ArrayLike) -> str:
+        if np.all(np.isfinite(np.asarray(values, dtype=np.float64))):
+            return ""
+        return (
+            f"this case's attention scores are large (|q| |k| / sqrt(hw) up to {scale:.0f}): "
+            "subtract each row's maximum over the keys it sees before exp, and keep the "
+            "scores in a format that holds them"
+        )
+
+    output = backend.forward(model, scenario.tokens)
+    check = judge.on(scenario.case())
+    if output.stages is not None:
+        got = dict(output.stages)
+        for name, exact in stages:
+            if name not in got:
+                check.fail(f"stage {name}", "missing", f"shape {list(exact.shape)}")
+            check.close(
+                f"stage {name}", got[name], exact, bound.stages, scale=scale, hint=hint(got[name])
+            )
+    check.close(
+        "logits", output.logits, logits, bound.logits, scale=scale, hint=hint(output.logits)
+    )
+    result = backend.loss(model, scenario.tokens, scenario.targets)
+    judge.on(scenario.case("backend.loss(model, tokens, targets)")).close(
+        "loss", result.loss, loss, bound.loss, scale=scale, hint=hint(result.loss)
+    )
 
 
 # One block over 4096 positions: the oracle computes the keys and values of the whole prefix

@@ -125,6 +125,7 @@ RULES: tuple[Rule, ...] = (
     Rule("VALUE-STAGES", "Every stage (lookup, each block, final norm) agrees with the high-precision oracle within tolerance.", C.VALUES, _FORMULA, needs=(K.STAGES,)),
     Rule("VALUE-LOGITS", "The logits and the loss agree with the high-precision oracle within tolerance.", C.VALUES, _FORMULA),
     Rule("VALUE-LARGE-LOGITS", "With logits in the thousands (a final gain of 1000), logits, loss and gradients (at the model's scale) stay finite and match the oracle.", C.VALUES, f"{_FORMULA}; project rule (issue 19): a softmax without its row maximum overflows there"),
+    Rule("VALUE-LARGE-SCORES", "With attention scores in the thousands (query and key matrices times 16), stages, logits and loss stay finite and match the oracle.", C.VALUES, f"{_FORMULA}; project rule: an attention softmax without its row maximum overflows there, or gives 0 / 0 on a row of very negative scores"),
     Rule("VALUE-LONG-CONTEXT", "At 4096 positions, sampled logit rows (0 to 4095) agree with the oracle: RoPE at large positions, masks and long softmax rows.", C.VALUES, f"{_FORMULA}; project rule (issue 19): RoPE tables in low precision drift at long positions"),
     Rule("VALUE-SEED-FIXTURE", "The seed fixture's published rows, logits and loss are reproduced to six decimals; build_seeded(config, 32) gives the same logits bitwise.", C.VALUES, "seed: 'Inspect representative hidden rows and every logit'"),
     Rule("GRAD-FINITE", "The loss gives every parameter tensor a finite gradient.", C.GRADIENTS, _GRADCHECK, needs=(K.GRADIENTS,)),

@@ -12,6 +12,10 @@ these variants as well as on the recipe's parameters:
 - ``large``: ``varied``, then the final gain multiplied by ``LARGE_GAIN``, so that the
   logits reach the thousands (a loss computed without subtracting the row maximum
   overflows there; the correct one stays finite);
+- ``sharp``: ``varied``, then every query and key matrix multiplied by ``SHARP_SCALE``, so
+  that attention scores reach the thousands (a softmax computed without subtracting the row
+  maximum overflows there, or underflows to 0 / 0 where every score of a row is far below
+  zero; the correct one stays finite and saturates towards one key);
 - ``tiny``: ``varied``, then the embedding table multiplied by ``TINY_SCALE`` and the final
   gain divided by it: the first norms see mean squares near 1e-30 (normal even in float32),
   where an epsilon of 0 must stay 0 (a hard-coded 1e-6 would swamp them), and the tied head
@@ -30,10 +34,13 @@ from spec.config import DecoderConfig
 from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME, is_gain_name
 from spec.recipe import initial_parameters
 
-__all__ = ["LARGE_GAIN", "TINY_SCALE", "VARIANTS", "scenario_parameters"]
+__all__ = ["LARGE_GAIN", "SHARP_SCALE", "TINY_SCALE", "VARIANTS", "scenario_parameters"]
 
-VARIANTS = ("recipe", "varied", "large", "tiny")
+VARIANTS = ("recipe", "varied", "large", "tiny", "sharp")
 LARGE_GAIN = 1000.0
+SHARP_SCALE = 16.0
+# Scores are q k^T / sqrt(hw): both factors scaled, the scores grow by SHARP_SCALE^2.
+SHARPENED_SUFFIXES = ("attention.query.weight", "attention.key.weight")
 TINY_SCALE = 1e-15
 
 ParameterList = list[tuple[str, npt.NDArray[np.float64]]]
@@ -57,6 +64,8 @@ def scenario_parameters(config: DecoderConfig, seed: int, variant: str = "recipe
             new = value * rng.uniform(0.5, 2.0)
         if variant == "large" and name == FINAL_NORM_NAME:
             new = new * LARGE_GAIN
+        if variant == "sharp" and name.endswith(SHARPENED_SUFFIXES):
+            new = new * SHARP_SCALE
         if variant == "tiny" and name == EMBEDDING_NAME:
             new = new * TINY_SCALE
         if variant == "tiny" and name == FINAL_NORM_NAME:

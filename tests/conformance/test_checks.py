@@ -54,6 +54,13 @@ def test_close_fails_on_a_value_that_is_not_finite(bad: float) -> None:
     )
 
 
+def test_a_hint_ends_the_message_of_a_value_that_is_not_finite() -> None:
+    message = failure(
+        lambda: judge().close("loss", np.array([np.nan]), np.array([1.0]), 1.0, hint="why")
+    )
+    assert message.endswith("(not finite; 1 of 1 elements), but should be finite; why")
+
+
 def test_same_bits_compares_bits_and_sees_nan() -> None:
     judge().same_bits("loss", np.float64(0.5), np.float64(0.5))
     nan = failure(lambda: judge().same_bits("loss", np.float64("nan"), np.float64("nan")))

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
-from conformance.cases import Scenario
+import numpy as np
+from hypothesis import given, settings
+
+from conformance.cases import Scenario, scenarios, score_scale
 from conformance.conditioning import CONDITION_FACTOR, case_bounds
+from conformance.tools.mutants.base import model_with
+from conformance.tools.mutants.composed import ComposedAttention
 from conformance.tools.tolerance_derivation import DerivationCase, emulation_errors
+from impl.tape import Tensor
 from spec.config import FIXTURE, DecoderConfig
 from spec.formats import Precision
+from spec.oracle import oracle_forward, to_float64
 from spec.tolerances import Quantity, tolerance_for
 
 # A recipe case where RMSNorm amplifies rounding: a correct float32 gradient is 1.4e-4 off
@@ -41,3 +48,39 @@ def test_bounds_are_never_narrowed() -> None:
             widened = case_bounds(model, scenario)
             for quantity in Quantity:
                 assert getattr(widened, str(quantity)) >= getattr(general, str(quantity))
+
+
+def _attention_seen(scenario: Scenario) -> list[tuple[np.ndarray, float]]:
+    """Each block's scores in the reference, with their largest ``sum_i |q_i k_i| / sqrt(hw)``
+    (after RoPE)."""
+    seen: list[tuple[np.ndarray, float]] = []
+
+    class Recorded(ComposedAttention):
+        def scores(self, query: Tensor, key: Tensor) -> Tensor:
+            result = super().scores(query, key)
+            terms = np.abs(query.value) @ np.swapaxes(np.abs(key.value), -1, -2)
+            seen.append((result.value, float(np.max(terms)) / math.sqrt(query.shape[-1])))
+            return result
+
+    model = model_with("Recorded", attention_class=Recorded).from_parameters(
+        scenario.config, scenario.parameters()
+    )
+    model.forward(scenario.tokens)
+    return seen
+
+
+@settings(max_examples=30, deadline=None)
+@given(scenario=scenarios(min_layers=1, variants=("recipe", "sharp")))
+def test_the_scores_scale_bounds_every_score_and_its_terms(scenario: Scenario) -> None:
+    run = oracle_forward(scenario.config, scenario.parameters(), scenario.tokens, digits=30)
+    stages = [(name, to_float64(value)) for name, value in run.stages]
+    bound = score_scale(scenario.config, scenario.parameters(), stages)
+    assert max(terms for _, terms in _attention_seen(scenario)) <= bound * (1 + 1e-9)
+
+
+def test_the_fixed_sharp_case_has_scores_past_exp_range_in_both_directions() -> None:
+    from conformance.test_values import SHARP_ROWS
+
+    first_block = _attention_seen(SHARP_ROWS)[0][0]
+    alone = first_block[0, :, 0, 0]  # sequence 0, position 0 (it sees only itself), per head
+    assert alone.min() < -745 and alone.max() > 709.8, alone

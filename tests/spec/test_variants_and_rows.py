@@ -13,7 +13,7 @@ from spec.oracle import oracle_forward, oracle_rows, to_float64
 from spec.parameters import FINAL_NORM_NAME, is_gain_name
 from spec.recipe import initial_parameters
 from spec.strategies import configs
-from spec.variants import LARGE_GAIN, scenario_parameters
+from spec.variants import LARGE_GAIN, SHARP_SCALE, scenario_parameters
 
 CONFIG = DecoderConfig(6, 8, 2, 12, 2, 5)
 
@@ -54,6 +54,18 @@ def test_the_large_variant_scales_only_the_final_gain() -> None:
     for name, value in large.items():
         expected = varied[name] * (LARGE_GAIN if name == FINAL_NORM_NAME else 1.0)
         assert value.tobytes() == expected.tobytes(), name
+
+
+def test_the_sharp_variant_scales_only_the_query_and_key_matrices() -> None:
+    varied = dict(scenario_parameters(CONFIG, 3, "varied"))
+    sharp = dict(scenario_parameters(CONFIG, 3, "sharp"))
+    scaled = set()
+    for name, value in sharp.items():
+        role = name.rsplit(".", 2)[-2]
+        factor = SHARP_SCALE if role in ("query", "key") else 1.0
+        scaled |= {name} if factor != 1.0 else set()
+        assert value.tobytes() == (varied[name] * factor).tobytes(), name
+    assert len(scaled) == 2 * CONFIG.layers
 
 
 def test_an_unknown_variant_is_named() -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "scale",
     "shift",
     "silu",
+    "softmax_of",
 ]
 
 
@@ -106,7 +107,14 @@ def masked_softmax(scores: Tensor, blocked: npt.NDArray[np.bool_], fill: float) 
     """
     filled = np.where(blocked, fill, scores.value)
     shifted = np.exp(filled - filled.max(axis=-1, keepdims=True))
-    weights = shifted / shifted.sum(axis=-1, keepdims=True)
+    return softmax_of(scores, shifted / shifted.sum(axis=-1, keepdims=True), blocked)
+
+
+def softmax_of(
+    scores: Tensor, weights: npt.NDArray[np.float64], blocked: npt.NDArray[np.bool_]
+) -> Tensor:
+    """The softmax rule's node over ``scores`` with ``weights`` computed however a mutant
+    computes them.  VJP: ``w (g - sum(g w))`` per row, zero at the ``blocked`` scores."""
 
     def vjp(g: Array) -> tuple[Array]:
         return (np.where(blocked, 0.0, weights * (g - (g * weights).sum(axis=-1, keepdims=True))),)

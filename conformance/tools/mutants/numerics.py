@@ -65,6 +65,46 @@ class MaskWithFiniteFill(MutantBackend):
     model_class = model_with("FiniteMask", attention_class=_FiniteMask)
 
 
+class _SoftmaxWithoutRowMaximum(c.ComposedAttention):
+    def weights(self, scores: Tensor) -> Tensor:
+        blocked = c.future_mask(scores.shape[-1])
+        with np.errstate(over="ignore", invalid="ignore"):
+            powers = np.where(blocked, 0.0, np.exp(scores.value))  # the slip: no max first
+            return c.softmax_of(scores, powers / powers.sum(axis=-1, keepdims=True), blocked)
+
+
+@mutant("VALUE-LARGE-SCORES")
+class AttentionSoftmaxWithoutRowMaximum(MutantBackend):
+    """Attention weights are exp(score) / sum(exp(score)), without subtracting the row maximum.
+
+    Exact in real arithmetic and within float64 rounding at ordinary scores; above 709 exp
+    overflows (inf / inf), and a row whose scores are all below -745 is 0 / 0.
+    """
+
+    model_class = model_with("SoftmaxWithoutRowMaximum", attention_class=_SoftmaxWithoutRowMaximum)
+
+
+class _MaximumOverFutureKeys(c.ComposedAttention):
+    def weights(self, scores: Tensor) -> Tensor:
+        blocked = c.future_mask(scores.shape[-1])
+        # The slip: the maximum is taken before the mask, over keys the row never sees.
+        with np.errstate(invalid="ignore"):
+            powers = np.exp(scores.value - scores.value.max(axis=-1, keepdims=True))
+            powers = np.where(blocked, 0.0, powers)
+            return c.softmax_of(scores, powers / powers.sum(axis=-1, keepdims=True), blocked)
+
+
+@mutant("VALUE-LARGE-SCORES", RuleCategory.CAUSALITY)
+class AttentionMaximumOverFutureKeys(MutantBackend):
+    """The softmax subtracts the row maximum taken before the causal mask, future keys included.
+
+    Any shift is exact in real arithmetic, but a future score far above the visible ones
+    underflows every visible weight to 0 (0 / 0), and the row's roundings depend on the future.
+    """
+
+    model_class = model_with("MaximumOverFutureKeys", attention_class=_MaximumOverFutureKeys)
+
+
 class _KeysOneAhead(CausalSelfAttention):
     def forward(self, x: Tensor) -> Tensor:
         query = self.rope.forward(self.split_heads(self.query.forward(x)))
