@@ -280,12 +280,13 @@ SHARP_ROWS = Scenario(
 @suite_settings(cost=2)
 @given(scenario=scenarios(min_layers=1, variants=("sharp",)))
 @example(scenario=SHARP_ROWS)
-def test_large_attention_scores_keep_every_stage_finite_and_exact(
+def test_large_attention_scores_keep_values_and_gradients_finite_and_exact(
     backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
 ) -> None:
     """Query and key matrices 16 times larger (``spec.variants``, variant ``sharp``) put the
     attention scores in the hundreds and thousands, where exp overflows (or every weight of
-    a row underflows to 0) unless the row maximum is subtracted first."""
+    a row underflows to 0) unless the row maximum is subtracted first, in the forward pass
+    and in a backward pass that recomputes the weights."""
     if not scenario.representable(backend.precision):
         return
     bound = case_bounds(tolerance, scenario)
@@ -320,9 +321,31 @@ def test_large_attention_scores_keep_every_stage_finite_and_exact(
         "logits", output.logits, logits, bound.logits, scale=scale, hint=hint(output.logits)
     )
     result = backend.loss(model, scenario.tokens, scenario.targets)
-    judge.on(scenario.case("backend.loss(model, tokens, targets)")).close(
-        "loss", result.loss, loss, bound.loss, scale=scale, hint=hint(result.loss)
+    check = judge.on(scenario.case("backend.loss(model, tokens, targets)"))
+    check.close("loss", result.loss, loss, bound.loss, scale=scale, hint=hint(result.loss))
+    if Capability.GRADIENTS not in backend.capabilities:
+        return
+    from spec.oracle_gradients import oracle_gradients
+
+    oracle = oracle_gradients(
+        scenario.config, scenario.parameters(), scenario.tokens, scenario.targets, digits=40
     )
+    # A gradient's error follows both the scores' scale and the model's largest gradient (a
+    # small element is a sum of large cancelling terms, as in VALUE-LARGE-LOGITS).
+    largest = max(float(np.max(np.abs(value), initial=0.0)) for value in oracle.gradients.values())
+    gradient_scale = scale * max(largest, 1.0)
+    got_gradients = result.gradients or {}
+    for name, expected in oracle.gradients.items():
+        if name not in got_gradients:
+            check.fail(f"gradient of {name}", "missing", f"shape {list(expected.shape)}")
+        check.close(
+            f"gradient of {name}",
+            got_gradients[name],
+            expected,
+            bound.gradients,
+            scale=gradient_scale,
+            hint=hint(got_gradients[name]),
+        )
 
 
 # One block over 4096 positions: the oracle computes the keys and values of the whole prefix

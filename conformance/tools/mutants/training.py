@@ -185,6 +185,38 @@ class SoftmaxBackwardWithoutSumTerm(MutantBackend):
     )
 
 
+def _softmax_recomputed_without_maximum(scores: Tensor) -> Tensor:
+    blocked = c.future_mask(scores.shape[-1])
+    forward = c.masked_softmax(scores, blocked, -np.inf)
+
+    def vjp(g: Array) -> tuple[Array]:
+        # The slip: the weights recomputed from the scores, as a fused kernel's backward does,
+        # but without the row maximum the forward subtracted.
+        with np.errstate(over="ignore", invalid="ignore"):
+            powers = np.where(blocked, 0.0, np.exp(scores.value))
+            weights = powers / powers.sum(axis=-1, keepdims=True)
+        return (np.where(blocked, 0.0, weights * (g - (g * weights).sum(axis=-1, keepdims=True))),)
+
+    return Tensor.from_operation(forward.value, (scores,), vjp, "causal_softmax")
+
+
+class _BackwardWithoutRowMaximum(c.ComposedAttention):
+    def weights(self, scores: Tensor) -> Tensor:
+        return _softmax_recomputed_without_maximum(scores)
+
+
+@mutant("VALUE-LARGE-SCORES", RuleCategory.GRADIENTS)
+class AttentionBackwardWithoutRowMaximum(MutantBackend):
+    """The softmax backward recomputes its weights without the row maximum; the forward is exact.
+
+    Right wherever exp(score) stays in range; at scores in the thousands the gradients are NaN.
+    """
+
+    model_class = model_with(
+        "BackwardWithoutRowMaximum", attention_class=_BackwardWithoutRowMaximum
+    )
+
+
 @mutant("GRAD-ORACLE")
 class OutputWeightGradientTransposed(MutantBackend):
     """The attention output matrix's gradient transposed (a backward-only bug)."""
