@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from conformance.adapter import (
@@ -25,6 +27,7 @@ from spec.formats import held_in_format, round_to
 from spec.parameters import parameter_layout
 from spec.recipe import GOLDEN_GAMMA, SplitMix64, initial_parameters
 from spec.strategies import invalid_configs, invalid_token_inputs
+from spec.tolerances import ToleranceModel
 
 
 def _bytes(listed: list[tuple[str, FloatArray]]) -> list[tuple[str, bytes]]:
@@ -161,6 +164,76 @@ def test_refused_calls_change_nothing(
     for name, gradient in (result_before.gradients or {}).items():
         again = np.asarray((result_after.gradients or {}).get(name))
         check.same_bits(f"gradient of {name} after refused calls", again, np.asarray(gradient))
+
+
+def _strided(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """The same values as a view that skips every other element of its last axis."""
+    wide = np.zeros((*values.shape[:-1], 2 * values.shape[-1]), dtype=values.dtype)
+    wide[..., ::2] = values
+    return wide[..., ::2]
+
+
+def _other_layout(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """Matrices in Fortran (column-major) order, vectors as strided views."""
+    return np.asfortranarray(values) if values.ndim == 2 else _strided(values)
+
+
+# Two sequences of three tokens: Fortran order and C order differ only with both axes > 1.
+LAYOUT_CASE = Scenario(
+    DecoderConfig(5, 4, 2, 6, 2, 4),
+    seed=21,
+    tokens=np.array([[1, 4, 0], [3, 3, 2]]),
+    targets=np.array([[4, 0, 2], [3, 2, 1]]),
+    variant="varied",
+)
+
+
+@pytest.mark.rule("REBUILD-MEMORY-LAYOUT")
+@suite_settings()
+@given(scenario=scenarios())
+@example(scenario=LAYOUT_CASE)
+def test_memory_layout_does_not_change_a_result(
+    backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
+) -> None:
+    """A port that hands a view's raw memory to native code (a ctypes pointer, a buffer
+    read in memory order) reads a Fortran-ordered matrix transposed and a strided view's
+    gaps; the same values in C order must give the same results, within twice the
+    backend's bound, since a kernel may take another path for another layout."""
+    parameters = scenario.parameters()
+    bound = tolerance.at(scenario.config, scenario.tokens.shape[1])
+    plain = scenario.build(backend)
+    expected = backend.forward(plain, scenario.tokens).logits
+    expected_loss = backend.loss(plain, scenario.tokens, scenario.targets).loss
+    laid_out = [(name, _other_layout(value)) for name, value in parameters]
+    check = judge.on(
+        scenario.case(
+            "backend.build(config, [(n, np.asfortranarray(v) if v.ndim == 2 else v) ...])"
+        )
+    )
+    model = backend.build(scenario.config, laid_out)
+    check.close(
+        "logits with matrices in Fortran order and gains strided",
+        backend.forward(model, scenario.tokens).logits,
+        expected,
+        2 * bound.logits,
+    )
+    for layout, tokens, targets in (
+        ("Fortran order", np.asfortranarray(scenario.tokens), np.asfortranarray(scenario.targets)),
+        ("strided views", _strided(scenario.tokens), _strided(scenario.targets)),
+    ):
+        check = judge.on(scenario.case(f"backend.forward(model, tokens) with tokens in {layout}"))
+        check.close(
+            f"logits of token IDs in {layout}",
+            backend.forward(plain, tokens).logits,
+            expected,
+            2 * bound.logits,
+        )
+        check.close(
+            f"loss of token and target IDs in {layout}",
+            backend.loss(plain, tokens, targets).loss,
+            expected_loss,
+            2 * bound.loss,
+        )
 
 
 @pytest.mark.rule("REBUILD-ROUNDTRIP")

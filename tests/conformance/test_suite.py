@@ -12,6 +12,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import conformance
@@ -371,3 +372,18 @@ def test_the_readme_capability_table_matches_the_rules() -> None:
     assert f"Without any, {len(free)} rules run: " + ", ".join(f"`{i}`" for i in free) in " ".join(
         text.split()
     )
+
+
+def test_the_layout_rule_sends_arrays_that_are_not_c_contiguous() -> None:
+    """REBUILD-MEMORY-LAYOUT's inputs hold the same values in memory another way: a port
+    that reads raw buffers in memory order would see other values."""
+    from conformance.test_determinism import LAYOUT_CASE, _other_layout, _strided
+
+    tokens = LAYOUT_CASE.tokens
+    for other in (np.asfortranarray(tokens), _strided(tokens)):
+        assert not other.flags.c_contiguous
+        assert np.array_equal(other, tokens)
+    assert not np.array_equal(np.asfortranarray(tokens).ravel(order="K"), tokens.ravel())
+    for name, value in LAYOUT_CASE.parameters():
+        laid_out = _other_layout(value)
+        assert np.array_equal(laid_out, value) and not laid_out.flags.c_contiguous, name

@@ -135,3 +135,43 @@ class TokenIdsCheckedBeforeTargets(MutantBackend):
         with refusals():
             model.validate_tokens(tokens)
         return super().loss(model, tokens, targets, **detach)
+
+
+def _in_memory_order(values: Any) -> Any:
+    """An array's elements as its memory holds them, read back as if in C order: what a
+    pointer to a view's buffer gives native code. Anything else is left as it is."""
+    if not isinstance(values, np.ndarray) or values.ndim < 2:
+        return values
+    return values.ravel(order="K").reshape(values.shape)
+
+
+@mutant("REBUILD-MEMORY-LAYOUT")
+class ParametersReadInMemoryOrder(MutantBackend):
+    """Each parameter matrix is read from its buffer in memory order, as a ctypes pointer would.
+
+    Right for C-ordered arrays; a Fortran-ordered matrix is read transposed and scrambled.
+    """
+
+    def build(self, config: DecoderConfig, parameters: Parameters) -> Any:
+        if not isinstance(parameters, list):
+            return super().build(config, parameters)
+        read = [
+            (entry[0], _in_memory_order(entry[1])) if isinstance(entry, tuple) else entry
+            for entry in parameters
+        ]
+        return super().build(config, read)
+
+
+@mutant("REBUILD-MEMORY-LAYOUT")
+class TokensReadInMemoryOrder(MutantBackend):
+    """Token and target IDs are read from their buffers in memory order (scrambled if Fortran)."""
+
+    def forward(
+        self, model: Any, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
+    ) -> Any:
+        return super().forward(model, _in_memory_order(tokens), shape)
+
+    def loss(
+        self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
+    ) -> LossOutput:
+        return super().loss(model, _in_memory_order(tokens), _in_memory_order(targets), **detach)
