@@ -168,14 +168,26 @@ def test_refused_calls_change_nothing(
 
 def _strided(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """The same values as a view that skips every other element of its last axis."""
-    wide = np.zeros((*values.shape[:-1], 2 * values.shape[-1]), dtype=values.dtype)
-    wide[..., ::2] = values
-    return wide[..., ::2]
+    return np.repeat(values, 2, axis=-1)[..., ::2]
 
 
 def _other_layout(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """Matrices in Fortran (column-major) order, vectors as strided views."""
     return np.asfortranarray(values) if values.ndim == 2 else _strided(values)
+
+
+# The failing calls as Python a user can run after the case's own lines (which define
+# ``backend``, ``config``, ``model``, ``tokens`` and ``targets``).
+_LAID_OUT_BUILD = """import numpy as np
+laid_out = [
+    (name, np.asfortranarray(v) if np.ndim(v) == 2 else np.repeat(v, 2)[::2])
+    for name, v in backend.parameters(model)
+]
+backend.forward(backend.build(config, laid_out), tokens)"""
+_TOKEN_LAYOUTS = {
+    "Fortran order": "np.asfortranarray(np.array({}))",
+    "strided views": "np.repeat(np.array({}), 2, axis=-1)[:, ::2]",
+}
 
 
 # Two sequences of three tokens: Fortran order and C order differ only with both axes > 1.
@@ -205,11 +217,7 @@ def test_memory_layout_does_not_change_a_result(
     expected = backend.forward(plain, scenario.tokens).logits
     expected_loss = backend.loss(plain, scenario.tokens, scenario.targets).loss
     laid_out = [(name, _other_layout(value)) for name, value in parameters]
-    check = judge.on(
-        scenario.case(
-            "backend.build(config, [(n, np.asfortranarray(v) if v.ndim == 2 else v) ...])"
-        )
-    )
+    check = judge.on(scenario.case(_LAID_OUT_BUILD))
     model = backend.build(scenario.config, laid_out)
     check.close(
         "logits with matrices in Fortran order and gains strided",
@@ -221,7 +229,13 @@ def test_memory_layout_does_not_change_a_result(
         ("Fortran order", np.asfortranarray(scenario.tokens), np.asfortranarray(scenario.targets)),
         ("strided views", _strided(scenario.tokens), _strided(scenario.targets)),
     ):
-        check = judge.on(scenario.case(f"backend.forward(model, tokens) with tokens in {layout}"))
+        ids, wanted = (_TOKEN_LAYOUTS[layout].format(name) for name in ("tokens", "targets"))
+        check = judge.on(
+            scenario.case(
+                f"import numpy as np\nbackend.forward(model, {ids})\n"
+                f"backend.loss(model, {ids}, {wanted})"
+            )
+        )
         check.close(
             f"logits of token IDs in {layout}",
             backend.forward(plain, tokens).logits,
