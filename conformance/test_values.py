@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mpmath
 import numpy as np
 import numpy.typing as npt
@@ -211,6 +213,30 @@ def test_seed_fixture_published_numbers(
         check.close("logits of build_seeded(config, 32)", seeded, output.logits, 0.0)
 
 
+def _no_hint(values: npt.ArrayLike) -> str:
+    return ""
+
+
+def _close_gradients(
+    check: Judge,
+    got: dict[str, FloatArray] | None,
+    exact: dict[str, FloatArray],
+    bound: float,
+    *,
+    scale: float,
+    hint: Callable[[npt.ArrayLike], str] = _no_hint,
+) -> None:
+    """Every exact gradient returned and within ``bound`` at ``scale``; ``hint(values)``
+    ends a failure's message."""
+    got = got or {}
+    for name, expected in exact.items():
+        if name not in got:
+            check.fail(f"gradient of {name}", "missing", f"shape {list(expected.shape)}")
+        check.close(
+            f"gradient of {name}", got[name], expected, bound, scale=scale, hint=hint(got[name])
+        )
+
+
 @pytest.mark.rule("VALUE-LARGE-LOGITS")
 @suite_settings(cost=3)
 @given(scenario=scenarios(min_layers=1, variants=("large",)))
@@ -255,13 +281,9 @@ def test_large_logits_keep_the_loss_finite_and_exact(
     # that failed at thorough) a correct torch's elementwise scaled error reached 1.5e-3
     # (float32) and 1.2e-11 (float64), past both tolerances; measured this way 6.8e-6 and
     # 1.6e-14, 146x and 625x under them.
-    got = result.gradients or {}
-    for name, expected in exact.gradients.items():
-        if name not in got:
-            check.fail(f"gradient of {name}", "missing", f"shape {list(expected.shape)}")
-        check.close(
-            f"gradient of {name}", got[name], expected, bound.gradients, scale=scales.gradients
-        )
+    _close_gradients(
+        check, result.gradients, exact.gradients, bound.gradients, scale=scales.gradients
+    )
 
 
 # Position 0 sees only itself, and RoPE leaves it unturned: in the first sequence its scores
@@ -291,12 +313,13 @@ def test_large_attention_scores_keep_values_and_gradients_finite_and_exact(
         return
     bound = case_bounds(tolerance, scenario)
     model = scenario.build(backend)
-    stages, logits, loss = _oracle(scenario)
+    parameters = scenario.parameters()
+    stages, logits, loss = _oracle(scenario, parameters)
     # Errors are judged at the scores' scale: a correct score is off by a few roundings of
     # its terms, thousands here, and each softmax weight moves with it (over 600 cases a
     # correct torch float64 put a stage 2.3e-13 off, six times the float64 bound, and the
     # reference 1.6e-13).
-    scale = score_scale(scenario.config, scenario.parameters(), stages)
+    scale = score_scale(scenario.config, parameters, stages)
 
     def hint(values: npt.ArrayLike) -> str:
         if np.all(np.isfinite(np.asarray(values, dtype=np.float64))):
@@ -328,24 +351,15 @@ def test_large_attention_scores_keep_values_and_gradients_finite_and_exact(
     from spec.oracle_gradients import oracle_gradients
 
     oracle = oracle_gradients(
-        scenario.config, scenario.parameters(), scenario.tokens, scenario.targets, digits=40
+        scenario.config, parameters, scenario.tokens, scenario.targets, digits=40
     )
     # A gradient's error follows both the scores' scale and the model's largest gradient (a
     # small element is a sum of large cancelling terms, as in VALUE-LARGE-LOGITS).
     largest = max(float(np.max(np.abs(value), initial=0.0)) for value in oracle.gradients.values())
     gradient_scale = scale * max(largest, 1.0)
-    got_gradients = result.gradients or {}
-    for name, expected in oracle.gradients.items():
-        if name not in got_gradients:
-            check.fail(f"gradient of {name}", "missing", f"shape {list(expected.shape)}")
-        check.close(
-            f"gradient of {name}",
-            got_gradients[name],
-            expected,
-            bound.gradients,
-            scale=gradient_scale,
-            hint=hint(got_gradients[name]),
-        )
+    _close_gradients(
+        check, result.gradients, oracle.gradients, bound.gradients, scale=gradient_scale, hint=hint
+    )
 
 
 # One block over 4096 positions: the oracle computes the keys and values of the whole prefix

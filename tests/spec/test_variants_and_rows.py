@@ -59,11 +59,9 @@ def test_the_large_variant_scales_only_the_final_gain() -> None:
 def test_the_sharp_variant_scales_only_the_query_and_key_matrices() -> None:
     varied = dict(scenario_parameters(CONFIG, 3, "varied"))
     sharp = dict(scenario_parameters(CONFIG, 3, "sharp"))
-    scaled = set()
+    scaled = {name for name in sharp if name.rsplit(".", 2)[-2] in ("query", "key")}
     for name, value in sharp.items():
-        role = name.rsplit(".", 2)[-2]
-        factor = SHARP_SCALE if role in ("query", "key") else 1.0
-        scaled |= {name} if factor != 1.0 else set()
+        factor = SHARP_SCALE if name in scaled else 1.0
         assert value.tobytes() == (varied[name] * factor).tobytes(), name
     assert len(scaled) == 2 * CONFIG.layers
 

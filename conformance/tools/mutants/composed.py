@@ -28,7 +28,9 @@ __all__ = [
     "scale",
     "shift",
     "silu",
+    "softmax_gradient",
     "softmax_of",
+    "weights_without_maximum",
 ]
 
 
@@ -114,12 +116,27 @@ def softmax_of(
     scores: Tensor, weights: npt.NDArray[np.float64], blocked: npt.NDArray[np.bool_]
 ) -> Tensor:
     """The softmax rule's node over ``scores`` with ``weights`` computed however a mutant
-    computes them.  VJP: ``w (g - sum(g w))`` per row, zero at the ``blocked`` scores."""
+    computes them.  VJP: :func:`softmax_gradient`."""
+    return Tensor.from_operation(
+        weights, (scores,), lambda g: (softmax_gradient(weights, blocked, g),), "masked_softmax"
+    )
 
-    def vjp(g: Array) -> tuple[Array]:
-        return (np.where(blocked, 0.0, weights * (g - (g * weights).sum(axis=-1, keepdims=True))),)
 
-    return Tensor.from_operation(weights, (scores,), vjp, "masked_softmax")
+def softmax_gradient(weights: Array, blocked: npt.NDArray[np.bool_], g: Array) -> Array:
+    """The softmax's VJP: ``w (g - sum(g w))`` per row, zero at the ``blocked`` scores."""
+    result: Array = np.where(
+        blocked, 0.0, weights * (g - (g * weights).sum(axis=-1, keepdims=True))
+    )
+    return result
+
+
+def weights_without_maximum(scores: Array, blocked: npt.NDArray[np.bool_]) -> Array:
+    """``exp(s) / sum(exp(s))`` over the keys not ``blocked``, without subtracting the row
+    maximum first: exact until exp overflows (inf / inf) or a whole row underflows (0 / 0)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        powers = np.where(blocked, 0.0, np.exp(scores))
+        weights: Array = powers / powers.sum(axis=-1, keepdims=True)
+    return weights
 
 
 class ComposedAttention(CausalSelfAttention):

@@ -192,10 +192,8 @@ def _softmax_recomputed_without_maximum(scores: Tensor) -> Tensor:
     def vjp(g: Array) -> tuple[Array]:
         # The slip: the weights recomputed from the scores, as a fused kernel's backward does,
         # but without the row maximum the forward subtracted.
-        with np.errstate(over="ignore", invalid="ignore"):
-            powers = np.where(blocked, 0.0, np.exp(scores.value))
-            weights = powers / powers.sum(axis=-1, keepdims=True)
-        return (np.where(blocked, 0.0, weights * (g - (g * weights).sum(axis=-1, keepdims=True))),)
+        recomputed = c.weights_without_maximum(scores.value, blocked)
+        return (c.softmax_gradient(recomputed, blocked, g),)
 
     return Tensor.from_operation(forward.value, (scores,), vjp, "causal_softmax")
 
