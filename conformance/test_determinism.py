@@ -15,6 +15,8 @@ from conformance.adapter import (
     Backend,
     Capability,
     FloatArray,
+    ForwardOutput,
+    LossOutput,
     call_build_seeded,
     call_initialize,
 )
@@ -75,6 +77,153 @@ def test_same_call_same_answer(backend: Backend, judge: Judge, scenario: Scenari
                 np.asarray(again),
                 np.asarray(gradient),
             )
+
+
+def _kept(forward: ForwardOutput) -> list[tuple[str, FloatArray]]:
+    """The logits and every stage of a forward pass, as the caller holds them."""
+    return [("logits", forward.logits), *(forward.stages or [])]
+
+
+def _kept_loss(loss: LossOutput) -> list[tuple[str, FloatArray]]:
+    gradients = sorted((loss.gradients or {}).items())
+    return [
+        ("loss", np.asarray(loss.loss, dtype=np.float64)),
+        *((f"gradient of {n}", g) for n, g in gradients),
+    ]
+
+
+def _copies(arrays: list[tuple[str, FloatArray]]) -> list[tuple[str, FloatArray]]:
+    return [(name, np.array(value, copy=True)) for name, value in arrays]
+
+
+_CACHED_HINT = (
+    "the result depends on an earlier call: something kept from it (RoPE tables or a mask "
+    "sized by its length, a key/value cache, a buffer) is reused by a later one"
+)
+_OVERWRITTEN_HINT = (
+    "a later call overwrote an array this call returned: return a copy, not a view of a "
+    "buffer the next call reuses"
+)
+
+
+@pytest.mark.rule("DET-HISTORY")
+@suite_settings()
+@given(scenario=scenarios(min_vocabulary=2), data=st.data())
+def test_earlier_calls_change_nothing(
+    backend: Backend,
+    judge: Judge,
+    scenario: Scenario,
+    tolerance: ToleranceModel,
+    data: st.DataObject,
+) -> None:
+    """One model answers the scenario first; another answers a shorter, one-sequence call
+    first (a forward, a loss and, with TIED_ROLES, a loss with each role detached), then the
+    scenario, then the short call again: both orders must agree (within the backend's bound,
+    since a kernel may take another path). Then the first model answers other IDs of the
+    same shape, which must leave every array it returned before untouched."""
+    tokens, targets = scenario.tokens, scenario.targets
+    length = tokens.shape[1]
+    short = data.draw(st.integers(1, max(1, length - 1)), label="earlier call's length")
+    early_tokens, early_targets = tokens[-1:, :short].copy(), targets[-1:, :short].copy()
+    bound, early_bound = (tolerance.at(scenario.config, n) for n in (length, short))
+
+    fresh = scenario.build(backend)
+    first, first_loss = backend.forward(fresh, tokens), backend.loss(fresh, tokens, targets)
+    returned = [*_kept(first), *_kept_loss(first_loss)]
+    expected = _copies(returned)
+
+    used = scenario.build(backend)
+    early = _copies(_kept(backend.forward(used, early_tokens)))
+    backend.loss(used, early_tokens, early_targets)
+    detached_roles = (
+        ({"detach_lookup": True}, {"detach_head": True})
+        if Capability.TIED_ROLES in backend.capabilities
+        else ()
+    )
+    for detached in detached_roles:  # a role cut off the tape once must be back on it
+        backend.loss(used, early_tokens, early_targets, **detached)
+    later = dict(_kept(backend.forward(used, tokens)))
+    later_loss = backend.loss(used, tokens, targets)
+    later.update(_kept_loss(later_loss))
+    early_call = f"used, ids[-1:, :{short}], wanted[-1:, :{short}]"
+    earlier_call = "\n".join(
+        [
+            "import numpy as np",
+            "ids, wanted = np.array(tokens), np.array(targets)",
+            "fresh, fresh_loss = backend.forward(model, ids), backend.loss(model, ids, wanted)",
+            "used = backend.build(config, backend.parameters(model))",
+            f"backend.forward(used, ids[-1:, :{short}])",
+            f"backend.loss({early_call})",
+            *(
+                f"backend.loss({early_call}, {role}=True)"
+                for detached in detached_roles
+                for role in detached
+            ),
+            "later, later_loss = backend.forward(used, ids), backend.loss(used, ids, wanted)",
+            "print('logits', np.abs(later.logits - fresh.logits).max())",
+            "print('loss', abs(later_loss.loss - fresh_loss.loss))",
+            "for name, gradient in (fresh_loss.gradients or {}).items():",
+            "    print(name, np.abs(later_loss.gradients[name] - gradient).max())",
+        ]
+    )
+    check = judge.on(scenario.case(earlier_call, earlier_length=short))
+    limits = {"logits": bound.logits, "loss": bound.loss}
+    limits.update((name, bound.stages) for name, _ in first.stages or [])
+    for name, value in expected:
+        if name not in later:
+            check.fail(f"{name} after an earlier call of length {short}", "missing", "present")
+        limit = limits.get(name, bound.gradients)
+        check.close(
+            f"{name} after an earlier call of length {short}",
+            later[name],
+            value,
+            limit,
+            hint=_CACHED_HINT,
+        )
+    again = dict(_kept(backend.forward(used, early_tokens)))
+    check = judge.on(
+        scenario.case(
+            "import numpy as np\n"
+            f"short = np.array(tokens)[-1:, :{short}]\n"
+            "first = backend.forward(model, short).logits.copy()\n"
+            "backend.forward(model, np.array(tokens))\n"
+            "print(np.abs(backend.forward(model, short).logits - first).max())",
+            earlier_length=short,
+        )
+    )
+    for name, value in early:
+        check.close(
+            f"{name} of the length-{short} call, repeated after a length-{length} call",
+            again[name],
+            value,
+            early_bound.logits if name == "logits" else early_bound.stages,
+            hint=_CACHED_HINT,
+        )
+
+    vocabulary = scenario.config.vocabulary_size
+    other_tokens, other_targets = (tokens + 1) % vocabulary, (targets + 1) % vocabulary
+    judge_other = judge.on(
+        scenario.case(
+            "import numpy as np\n"
+            "ids, wanted = np.array(tokens), np.array(targets)\n"
+            "returned = [backend.forward(model, ids).logits]\n"
+            "returned += (backend.loss(model, ids, wanted).gradients or {}).values()\n"
+            "kept = [array.copy() for array in returned]\n"
+            f"backend.forward(model, (ids + 1) % {vocabulary})\n"
+            f"backend.loss(model, (ids + 1) % {vocabulary}, (wanted + 1) % {vocabulary})\n"
+            "print([float(np.abs(a - b).max()) for a, b in zip(returned, kept)])"
+        )
+    )
+    backend.forward(fresh, other_tokens)
+    backend.loss(fresh, other_tokens, other_targets)
+    for (name, held), (_, value) in zip(returned, expected, strict=True):
+        judge_other.close(
+            f"{name} returned by the first call, after calls on other IDs",
+            held,
+            value,
+            0.0,
+            hint=_OVERWRITTEN_HINT,
+        )
 
 
 @pytest.mark.rule("INIT-RECIPE")

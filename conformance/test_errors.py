@@ -152,30 +152,38 @@ def test_context_capacity_is_enforced(
     )
 
 
+def out_of_vocabulary_ids(vocabulary: int) -> list[int]:
+    """IDs outside [0, V): V and past it, -1 (numpy indexing wraps it to the last row) and
+    2**32 (a cast to int32, llama.cpp's token type, reads it as ID 0)."""
+    return [vocabulary, vocabulary + 3, 2**32, -1]
+
+
 @pytest.mark.rule("ERR-TOKEN-ID")
 @suite_settings()
 @given(scenario=scenarios(), data=st.data())
 def test_out_of_vocabulary_token_names_its_position(
     backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
 ) -> None:
-    vocabulary = scenario.config.vocabulary_size
-    tokens = scenario.tokens.copy()
-    positions = sorted(data.draw(st.sets(st.integers(0, tokens.size - 1), min_size=1, max_size=2)))
-    for position in positions:
-        tokens.flat[position] = data.draw(st.sampled_from([vocabulary, vocabulary + 3, -1]))
+    """Every kind of bad ID is tried, at one or two drawn positions (the first is named)."""
+    positions = sorted(
+        data.draw(st.sets(st.integers(0, scenario.tokens.size - 1), min_size=1, max_size=2))
+    )
     model = scenario.build(backend)
-    check = judge.on(dataclasses.replace(scenario.case(), tokens=tokens))
-    refusal = check.refused(
-        lambda: backend.forward(model, tokens),
-        ErrorKind.TOKEN_ID_OUT_OF_BOUNDS,
-        position=positions[0],
-    )
-    check.check(
-        refusal.kind.category is ErrorCategory.VOCABULARY_INPUT,
-        "category",
-        refusal.kind.category,
-        ErrorCategory.VOCABULARY_INPUT,
-    )
+    for bad_id in out_of_vocabulary_ids(scenario.config.vocabulary_size):
+        tokens = scenario.tokens.copy()
+        tokens.flat[positions] = bad_id
+        check = judge.on(dataclasses.replace(scenario.case(bad_id=bad_id), tokens=tokens))
+        refusal = check.refused(
+            functools.partial(backend.forward, model, tokens),
+            ErrorKind.TOKEN_ID_OUT_OF_BOUNDS,
+            position=positions[0],
+        )
+        check.check(
+            refusal.kind.category is ErrorCategory.VOCABULARY_INPUT,
+            "category",
+            refusal.kind.category,
+            ErrorCategory.VOCABULARY_INPUT,
+        )
 
 
 @pytest.mark.rule("ERR-TOKEN-ORDER")
@@ -281,19 +289,24 @@ def test_targets_must_be_one_per_token(
 def test_out_of_vocabulary_target_names_its_position(
     backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
 ) -> None:
-    vocabulary = scenario.config.vocabulary_size
-    targets = scenario.targets.copy()
-    position = data.draw(st.integers(0, targets.size - 1))
-    targets.flat[position] = data.draw(st.sampled_from([vocabulary, -1, vocabulary + 11]))
+    """Every kind of bad ID is tried at a drawn position, and -100 too: PyTorch's
+    cross_entropy skips such targets (its ignore_index) without a word."""
+    position = data.draw(st.integers(0, scenario.targets.size - 1))
     model = scenario.build(backend)
-    check = judge.on(
-        dataclasses.replace(scenario.case("backend.loss(model, tokens, targets)"), targets=targets)
-    )
-    check.refused(
-        lambda: backend.loss(model, scenario.tokens, targets),
-        ErrorKind.TARGET_ID_OUT_OF_BOUNDS,
-        position=position,
-    )
+    for bad_id in [*out_of_vocabulary_ids(scenario.config.vocabulary_size), -100]:
+        targets = scenario.targets.copy()
+        targets.flat[position] = bad_id
+        check = judge.on(
+            dataclasses.replace(
+                scenario.case("backend.loss(model, tokens, targets)", bad_id=bad_id),
+                targets=targets,
+            )
+        )
+        check.refused(
+            functools.partial(backend.loss, model, scenario.tokens, targets),
+            ErrorKind.TARGET_ID_OUT_OF_BOUNDS,
+            position=position,
+        )
 
 
 # The seed's loss validates the token shape, then its targets, and only then runs the forward

@@ -118,6 +118,7 @@ RULES: tuple[Rule, ...] = (
     Rule("DEPTH-ZERO-FORMULA", "With no blocks the logits are RMSNorm(E[z]) E^T.", C.DEPTH, _FORMULA),
     Rule("DET-REPLAY", "The same configuration and seed give bitwise identical parameters and logits.", C.DETERMINISM, _EVIDENCE, needs=(K.SEEDED_INIT,)),
     Rule("DET-REPEAT", "Running the same model on the same input twice gives bitwise identical logits, loss and gradients.", C.DETERMINISM, _EVIDENCE),
+    Rule("DET-HISTORY", "A call's results do not depend on earlier calls (shorter, longer, other batches), and later calls leave returned arrays as they were.", C.DETERMINISM, "seed: forward and loss are functions of the parameters and their inputs; project rule: a cache sized by an earlier call"),
     Rule("INIT-RECIPE", "Initial parameters for (config, seed) are the SplitMix64/Xavier draws in the stable order, gains at one.", C.INITIALIZATION, f"{_RECIPE} 'Initialization'", needs=(K.SEEDED_INIT,)),
     Rule("INIT-STREAM-ADVANCE", "Successful initialization advances the random stream by exactly the number of matrix scalars.", C.INITIALIZATION, f"{_RECIPE} 'Initialization'", needs=(K.STREAM_INIT,)),
     Rule("TXN-INIT", "A refused construction leaves the caller's random stream exactly as it was.", C.TRANSACTIONS, "seed: 'Initialization uses a trial random stream'", needs=(K.STREAM_INIT, K.CONFIG_ERRORS,)),

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from conformance.adapter import LossOutput, Parameters, Refusal
+from conformance.adapter import ForwardOutput, LossOutput, Parameters, Refusal
 from conformance.adapters.reference import refusals
 from conformance.tools.mutants.base import MutantBackend, mutant
+from impl import ops
 from impl.errors import ContextLengthExceeded, InvalidRmsEpsilon
 from impl.layers import NamedParameter
 from impl.model import DecoderModel
@@ -119,6 +121,66 @@ class TargetIdsClipped(MutantBackend):
     """Out-of-vocabulary target IDs are clipped into range."""
 
     model_class = _UncheckedTargetsModel
+
+
+def _as_int32(ids: npt.ArrayLike) -> npt.ArrayLike:
+    """Integer arrays cast to int32, which wraps 2**32 to 0; anything else left to be refused."""
+    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
+        return ids.astype(np.int32)
+    return ids
+
+
+@mutant("ERR-TOKEN-ID", RuleCategory.INPUTS)
+class IdsCastToInt32BeforeTheirChecks(MutantBackend):
+    """Token and target IDs are cast to int32 before they are checked, so 2**32 reads as ID 0.
+
+    The cast an engine whose token type is int32 (llama.cpp's llama_token) invites.
+    """
+
+    def forward(
+        self, model: Any, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
+    ) -> ForwardOutput:
+        return super().forward(model, _as_int32(tokens), shape)
+
+    def loss(
+        self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
+    ) -> LossOutput:
+        return super().loss(model, _as_int32(tokens), _as_int32(targets), **detach)
+
+
+IGNORED_TARGET = -100
+
+
+class _IgnoredTargetsModel(DecoderModel):
+    def loss(
+        self,
+        tokens: npt.ArrayLike,
+        targets: npt.ArrayLike,
+        shape: Sequence[int] | None = None,
+        *,
+        detach_lookup: bool = False,
+        detach_head: bool = False,
+    ) -> Tensor:
+        array = np.asarray(targets)
+        if array.dtype.kind not in "iu" or not np.any(array == IGNORED_TARGET):
+            return super().loss(
+                tokens, targets, shape, detach_lookup=detach_lookup, detach_head=detach_head
+            )
+        flat, batch, length = self._validate_token_shape(tokens, shape)
+        kept = array.reshape(-1) != IGNORED_TARGET
+        target_ids = self.validate_targets(np.where(kept, array.reshape(-1), 0), batch, length)
+        ids = self._checked_token_ids(flat, batch, length)
+        logits = self._forward(ids, detach_lookup=detach_lookup, detach_head=detach_head).logits
+        rows = ops.reshape(logits, (batch * length, self.config.vocabulary_size))
+        # PyTorch's mean: over the positions whose targets are kept.
+        return ops.indexed_mean_nll(ops.gather_rows(rows, np.flatnonzero(kept)), target_ids[kept])
+
+
+@mutant("ERR-TARGET-ID")
+class TargetsOfMinus100Ignored(MutantBackend):
+    """Targets of -100 are skipped, as PyTorch's cross_entropy (ignore_index) does, not refused."""
+
+    model_class = _IgnoredTargetsModel
 
 
 @mutant("ERR-LOSS-ORDER")
