@@ -191,14 +191,24 @@ class EmulatedModel:
         mixed = ar.product(weights, value.value)
         return Tensor.from_operation(mixed, (query, key, value), vjp, "causal_attention")
 
+    def _sigmoid(self, u: Array) -> Array:
+        """``1 / (1 + exp(-u))``: saturates to 0 or 1 where exp overflows."""
+        q = self.arithmetic.q
+        return q(1 / q(1 + q(np.exp(-u))))
+
+    def _silu_slope(self, u: Array, sigmoids: Array) -> Array:
+        """SiLU's derivative ``s (1 + u (1 - s))`` from the forward pass's sigmoids."""
+        q = self.arithmetic.q
+        return q(q(q(q(1 - sigmoids) * u) + 1) * sigmoids)
+
     def _swiglu(self, gate: Tensor, up: Tensor) -> Tensor:
         q = self.arithmetic.q
         u = gate.value
-        sigmoids = q(1 / q(1 + q(np.exp(-u))))
+        sigmoids = self._sigmoid(u)
         activated = q(u * sigmoids)
 
         def vjp(g: Array) -> tuple[Array, Array]:
-            slope = q(q(q(q(1 - sigmoids) * u) + 1) * sigmoids)
+            slope = self._silu_slope(u, sigmoids)
             return q(q(slope * up.value) * g), q(g * activated)
 
         return Tensor.from_operation(q(activated * up.value), (gate, up), vjp, "swiglu")

@@ -16,6 +16,11 @@ these variants as well as on the recipe's parameters:
   that attention scores reach the thousands (a softmax computed without subtracting the row
   maximum overflows there, or underflows to 0 / 0 where every score of a row is far below
   zero; the correct one stays finite and saturates towards one key);
+- ``hot``: ``varied``, then every feed-forward gate matrix multiplied by ``HOT_SCALE`` and
+  every down matrix divided by it, so that the gate pre-activations reach the hundreds while
+  the blocks' outputs keep their size (a sigmoid written ``exp(u) / (1 + exp(u))``, or a
+  SiLU slope written with ``exp(-u)``, overflows there: past u = 88.7 in float32 and 11.1
+  in float16; the correct one saturates to 0 or 1);
 - ``tiny``: ``varied``, then the embedding table multiplied by ``TINY_SCALE`` and the final
   gain divided by it: the first norms see mean squares near 1e-30 (normal even in float32),
   where an epsilon of 0 must stay 0 (a hard-coded 1e-6 would swamp them), and the tied head
@@ -34,14 +39,24 @@ from spec.config import DecoderConfig
 from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME, is_gain_name
 from spec.recipe import initial_parameters
 
-__all__ = ["LARGE_GAIN", "SHARP_SCALE", "TINY_SCALE", "VARIANTS", "scenario_parameters"]
+__all__ = [
+    "HOT_SCALE",
+    "LARGE_GAIN",
+    "SHARP_SCALE",
+    "TINY_SCALE",
+    "VARIANTS",
+    "scenario_parameters",
+]
 
-VARIANTS = ("recipe", "varied", "large", "tiny", "sharp")
+VARIANTS = ("recipe", "varied", "large", "tiny", "sharp", "hot")
 LARGE_GAIN = 1000.0
 SHARP_SCALE = 16.0
 # Scores are q k^T / sqrt(hw): both factors scaled, the scores grow by SHARP_SCALE^2.
 SHARPENED_SUFFIXES = ("attention.query.weight", "attention.key.weight")
 TINY_SCALE = 1e-15
+# The gate's input is normalized, so its pre-activations grow with the gate matrix alone; the
+# down matrix undoes the growth of silu(gate) * up (silu(u) ~ u for large positive u).
+HOT_SCALE = 64.0
 
 ParameterList = list[tuple[str, npt.NDArray[np.float64]]]
 
@@ -66,6 +81,10 @@ def scenario_parameters(config: DecoderConfig, seed: int, variant: str = "recipe
             new = new * LARGE_GAIN
         if variant == "sharp" and name.endswith(SHARPENED_SUFFIXES):
             new = new * SHARP_SCALE
+        if variant == "hot" and name.endswith("ffn.gate.weight"):
+            new = new * HOT_SCALE
+        if variant == "hot" and name.endswith("ffn.down.weight"):
+            new = new / HOT_SCALE
         if variant == "tiny" and name == EMBEDDING_NAME:
             new = new * TINY_SCALE
         if variant == "tiny" and name == FINAL_NORM_NAME:

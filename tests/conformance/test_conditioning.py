@@ -84,3 +84,25 @@ def test_the_fixed_sharp_case_has_scores_past_exp_range_in_both_directions() -> 
     first_block = _attention_seen(SHARP_ROWS)[0][0]
     alone = first_block[0, :, 0, 0]  # sequence 0, position 0 (it sees only itself), per head
     assert alone.min() < -745 and alone.max() > 709.8, alone
+
+
+def test_the_fixed_hot_cases_have_gate_inputs_past_exp_range_in_float32_both_ways() -> None:
+    """VALUE-LARGE-GATES's cases: inputs past +-88.7 (exp overflows in float32) in each."""
+    from conformance.test_values import HOT_CASES
+    from impl.layers import SwiGLU
+
+    inputs: list[np.ndarray] = []
+
+    class Recorded(SwiGLU):
+        def forward(self, x: Tensor) -> Tensor:
+            inputs.append(self.gate.forward(x).value)
+            return super().forward(x)
+
+    for name, scenario in HOT_CASES.items():
+        inputs.clear()
+        model = model_with("Recorded", feed_forward_class=Recorded).from_parameters(
+            scenario.config, scenario.parameters()
+        )
+        model.forward(scenario.tokens)
+        gates = np.concatenate([values.ravel() for values in inputs])
+        assert (gates > 88.7).sum() >= 30 and (gates < -88.7).sum() >= 30, name

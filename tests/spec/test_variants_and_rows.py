@@ -13,7 +13,7 @@ from spec.oracle import oracle_forward, oracle_rows, to_float64
 from spec.parameters import FINAL_NORM_NAME, is_gain_name
 from spec.recipe import initial_parameters
 from spec.strategies import configs
-from spec.variants import LARGE_GAIN, SHARP_SCALE, scenario_parameters
+from spec.variants import HOT_SCALE, LARGE_GAIN, SHARP_SCALE, scenario_parameters
 
 CONFIG = DecoderConfig(6, 8, 2, 12, 2, 5)
 
@@ -64,6 +64,16 @@ def test_the_sharp_variant_scales_only_the_query_and_key_matrices() -> None:
         factor = SHARP_SCALE if name in scaled else 1.0
         assert value.tobytes() == (varied[name] * factor).tobytes(), name
     assert len(scaled) == 2 * CONFIG.layers
+
+
+def test_the_hot_variant_scales_only_the_gate_and_down_matrices() -> None:
+    varied = dict(scenario_parameters(CONFIG, 3, "varied"))
+    hot = dict(scenario_parameters(CONFIG, 3, "hot"))
+    factors = {"gate": HOT_SCALE, "down": 1 / HOT_SCALE}
+    for name, value in hot.items():
+        factor = factors.get(name.rsplit(".", 2)[-2], 1.0)
+        assert value.tobytes() == (varied[name] * factor).tobytes(), name
+    assert sum(name.rsplit(".", 2)[-2] in factors for name in hot) == 2 * CONFIG.layers
 
 
 def test_an_unknown_variant_is_named() -> None:

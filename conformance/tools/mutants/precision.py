@@ -6,7 +6,8 @@ float32 backend that rounds one step to a 16-bit format, a bfloat16 backend that
 RoPE's positions in bfloat16, or a float64 backend that accumulates in float32. The
 derived tolerances of the declared precision reject each at ``ci``; the emulation is
 otherwise the instrument those tolerances were derived with, so only the mistake can move
-it past them.
+it past them. The last two write SiLU with an exponential that overflows in float32 past
+88.7 (float16: 11.1), where the correct form saturates.
 """
 
 from __future__ import annotations
@@ -110,3 +111,37 @@ class Float32AccumulationInFloat64(EmulatedBackend):
 
     precision = Precision.FLOAT64
     emulation_class = _Float32Products
+
+
+class _SigmoidAsExpRatio(EmulatedModel):
+    def _sigmoid(self, u: Array) -> Array:
+        q = self.arithmetic.q
+        grown = q(np.exp(u))  # inf past u = 88.7 in float32
+        return q(grown / q(1 + grown))
+
+
+@mutant("VALUE-LARGE-GATES")
+class SigmoidAsExpRatioInFloat32(EmulatedBackend):
+    """SwiGLU's sigmoid written exp(u) / (1 + exp(u)) in a float32 backend: inf / inf past 88.7."""
+
+    precision = Precision.FLOAT32
+    emulation_class = _SigmoidAsExpRatio
+
+
+class _SlopeFromExponential(EmulatedModel):
+    def _silu_slope(self, u: Array, sigmoids: Array) -> Array:
+        q = self.arithmetic.q
+        decayed = q(np.exp(-u))  # inf below u = -88.7 in float32
+        # s + u e / (1 + e)^2: the same derivative, as a fused backward kernel may write it.
+        return q(sigmoids + q(q(u * decayed) / q(q(1 + decayed) * q(1 + decayed))))
+
+
+@mutant("VALUE-LARGE-GATES")
+class SiluSlopeFromExponentialInFloat32(EmulatedBackend):
+    """SiLU's slope written s + u exp(-u) / (1 + exp(-u))^2 in a float32 backend; forward exact.
+
+    Below u = -88.7 the exponential overflows and the slope is inf / inf.
+    """
+
+    precision = Precision.FLOAT32
+    emulation_class = _SlopeFromExponential
