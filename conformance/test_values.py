@@ -325,7 +325,14 @@ def test_large_attention_scores_keep_values_and_gradients_finite_and_exact(
         "scores in a format that holds them"
     )
     _judge_forward_and_gradients(
-        backend, judge, scenario, bound, (stages, logits, loss), scale=scale, advice=advice
+        backend,
+        judge,
+        scenario,
+        bound,
+        parameters=parameters,
+        oracle=(stages, logits, loss),
+        scale=scale,
+        advice=advice,
     )
 
 
@@ -334,15 +341,17 @@ def _judge_forward_and_gradients(
     judge: Judge,
     scenario: Scenario,
     bound: Tolerance,
-    oracle: tuple[list[tuple[str, FloatArray]], FloatArray, float],
     *,
+    parameters: list[tuple[str, FloatArray]],
+    oracle: tuple[list[tuple[str, FloatArray]], FloatArray, float],
     scale: float | None,
     advice: str,
 ) -> None:
     """Stages, logits and loss at ``scale``, and every gradient at ``scale`` times the
     model's largest exact gradient (a small element is a sum of large cancelling terms, as
-    in VALUE-LARGE-LOGITS); with ``scale`` None, each element at its own size. ``advice``
-    ends the message of a value that is not finite."""
+    in VALUE-LARGE-LOGITS); with ``scale`` None, each element at its own size. ``oracle``
+    is the exact forward pass over ``parameters`` (the scenario's); ``advice`` ends the
+    message of a value that is not finite."""
 
     def hint(values: npt.ArrayLike) -> str:
         return "" if np.all(np.isfinite(np.asarray(values, dtype=np.float64))) else advice
@@ -370,7 +379,7 @@ def _judge_forward_and_gradients(
     from spec.oracle_gradients import oracle_gradients
 
     exact_gradients = oracle_gradients(
-        scenario.config, scenario.parameters(), scenario.tokens, scenario.targets, digits=40
+        scenario.config, parameters, scenario.tokens, scenario.targets, digits=40
     ).gradients
     largest = max(float(np.max(np.abs(value), initial=0.0)) for value in exact_gradients.values())
     _close_gradients(
@@ -424,12 +433,14 @@ def test_large_gate_inputs_keep_values_and_gradients_finite_and_exact(
         "this case's SwiGLU gate inputs are in the hundreds: compute sigmoid(u) as "
         "1 / (1 + exp(-u)) (it saturates to 0 or 1) and SiLU's slope from that sigmoid"
     )
+    parameters = scenario.parameters()
     _judge_forward_and_gradients(
         backend,
         judge,
         scenario,
         case_bounds(tolerance, scenario),
-        _oracle(scenario),
+        parameters=parameters,
+        oracle=_oracle(scenario, parameters),
         scale=None,
         advice=advice,
     )
