@@ -9,10 +9,11 @@ at each shape itself).
 
 Every shape is a function of its fields alone: the parameters are the recipe's for
 ``(config, seed)`` (Xavier-uniform matrices, gains 1), and the tokens and targets are drawn
-from ``PCG64(seed)``. Not the ``varied`` variant the generated cases also use: its rescaled
-matrices and gains compound over 30 blocks, and measured at SmolLM2-135M's shape they made
-the emulation's worst float32 stage error 115 times and its bfloat16 one 44 times the
-recipe's, so that a 16-bit backend's values could hardly fail there.
+from ``PCG64(seed)`` (but ``large-ids``, which VALUE-LARGE-IDS judges at every profile: one
+block, the ``spread`` variant's table, chosen IDs). Not the ``varied`` variant the generated
+cases also use: its rescaled matrices and gains compound over 30 blocks, and measured at
+SmolLM2-135M's shape they made the emulation's worst float32 stage error 115 times and its
+bfloat16 one 44 times the recipe's, so that a 16-bit backend's values could hardly fail there.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy.typing as npt
 
 from spec.config import DecoderConfig
 
-__all__ = ["DEFAULT_SCALE_SHAPES", "SCALE_SHAPES", "ScaleShape", "scale_shape"]
+__all__ = ["DEFAULT_SCALE_SHAPES", "LARGE_IDS", "SCALE_SHAPES", "ScaleShape", "scale_shape"]
 
 IdArray = npt.NDArray[np.int64]
 
@@ -41,15 +42,31 @@ class ScaleShape:
     seed: int
     about: str
     variant: str = "recipe"
+    # Chosen IDs, ``batch`` rows of ``positions``; drawn from the seed when empty.
+    tokens: tuple[tuple[int, ...], ...] = ()
+    targets: tuple[tuple[int, ...], ...] = ()
 
     def tokens_and_targets(self) -> tuple[IdArray, IdArray]:
         """The shape's ``[batch, positions]`` token IDs and targets."""
+        if self.tokens and self.targets:
+            return np.array(self.tokens, dtype=np.int64), np.array(self.targets, dtype=np.int64)
         rng = np.random.Generator(np.random.PCG64(self.seed))
         size = (self.batch, self.positions)
         tokens = rng.integers(0, self.config.vocabulary_size, size=size, dtype=np.int64)
         targets = rng.integers(0, self.config.vocabulary_size, size=size, dtype=np.int64)
         return tokens, targets
 
+
+# IDs past what a narrower copy keeps: 256+ (8 bits), 257 and 385 (bfloat16's 8 significant
+# bits), 2049 and 4097 (float16's 11), 32768+ (a signed 16-bit integer), 65536+ (16 bits;
+# 65535 and past is infinity in float16), and 70000, the last row. Rows 0-1: tokens; 2-3:
+# targets, so that a loss reading the wrong column shows in the loss alone.
+LARGE_IDS: tuple[tuple[int, ...], ...] = (
+    (65537, 256, 2049, 32768, 65535, 1, 4097, 257, 70000, 65536, 255, 16385),
+    (2047, 69999, 385, 2051, 8193, 32767, 0, 65538, 513, 40961, 2048, 4095),
+    (257, 65536, 4097, 70000, 2049, 32769, 65537, 129, 256, 2, 65539, 8191),
+    (1, 2050, 65535, 69999, 385, 0, 2047, 32768, 16384, 4099, 65538, 258),
+)
 
 # fmt: off
 SCALE_SHAPES: dict[str, ScaleShape] = {shape.name: shape for shape in (
@@ -73,6 +90,14 @@ SCALE_SHAPES: dict[str, ScaleShape] = {shape.name: shape for shape in (
         batch=2, positions=128, seed=128256,
         about="Llama 3.2's 128,256-entry vocabulary (tied in its 1B model): softmax and "
         "the tied head over rows of 128,256 logits",
+    ),
+    ScaleShape(
+        "large-ids",
+        DecoderConfig(70001, 16, 2, 32, 1, 16),
+        batch=2, positions=12, seed=70001, variant="spread",
+        tokens=LARGE_IDS[:2], targets=LARGE_IDS[2:],
+        about="a vocabulary of 70,001 entries, small otherwise, with token and target IDs "
+        "where 8-bit, 16-bit, bfloat16 and float16 copies of an ID go wrong (VALUE-LARGE-IDS)",
     ),
     ScaleShape(
         "smoke",

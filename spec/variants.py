@@ -24,7 +24,13 @@ these variants as well as on the recipe's parameters:
 - ``tiny``: ``varied``, then the embedding table multiplied by ``TINY_SCALE`` and the final
   gain divided by it: the first norms see mean squares near 1e-30 (normal even in float32),
   where an epsilon of 0 must stay 0 (a hard-coded 1e-6 would swamp them), and the tied head
-  brings the logits back to ordinary sizes, so the scaled error can see the difference.
+  brings the logits back to ordinary sizes, so the scaled error can see the difference;
+- ``spread``: ``recipe`` (gains 1), but the embedding table divided by its Xavier bound
+  ``sqrt(6 / (V + d))``, so that its entries fill [-1, 1] whatever the vocabulary: at 70,001
+  entries the recipe's are under 0.01, and two rows' logits differ by less than a 16-bit
+  format resolves (``VALUE-LARGE-IDS`` must see which row an ID selected). Not on top of
+  ``varied``: its gains made the emulated bfloat16 logits' bound there 2.5 (scaled), past
+  the difference a wrong row makes.
 
 Everything is a function of ``(config, seed, variant)``, so a failure's reproduction
 rebuilds the same list.
@@ -48,7 +54,7 @@ __all__ = [
     "scenario_parameters",
 ]
 
-VARIANTS = ("recipe", "varied", "large", "tiny", "sharp", "hot")
+VARIANTS = ("recipe", "varied", "large", "tiny", "sharp", "hot", "spread")
 LARGE_GAIN = 1000.0
 SHARP_SCALE = 16.0
 # Scores are q k^T / sqrt(hw): both factors scaled, the scores grow by SHARP_SCALE^2.
@@ -68,6 +74,11 @@ def scenario_parameters(config: DecoderConfig, seed: int, variant: str = "recipe
     entries = initial_parameters(config, seed)
     if variant == "recipe":
         return entries
+    if variant == "spread":
+        return [
+            (name, value / np.sqrt(6.0 / sum(value.shape)) if name == EMBEDDING_NAME else value)
+            for name, value in entries
+        ]
     # Its own stream, so the recipe's draws stay the recipe's.
     rng = np.random.Generator(np.random.PCG64(seed))
     varied: ParameterList = []

@@ -344,7 +344,8 @@ def calibrated_scale_cases(
     CASE_SAFETY x the emulation's largest error against the float64 reference over ``seeds``
     seeds of the shape (parameters, tokens and targets all redrawn), never under CASE_SAFETY
     x 4 u. Fewer seeds than a fixed case's CALIBRATION_SEEDS: at these sizes each seed's
-    worst is already the largest of millions of elements (the spread over seeds is printed)."""
+    worst is already the largest of millions of elements (the spread over seeds is printed);
+    a shape of chosen IDs (``large-ids``) is small, and gets a fixed case's seeds."""
     if precision is Precision.FLOAT64:
         return {}
     from spec.scale import SCALE_SHAPES, scale_shape
@@ -355,7 +356,8 @@ def calibrated_scale_cases(
     for name in SCALE_SHAPES if shapes is None else shapes:
         shape = scale_shape(name)
         worst = dict.fromkeys(Quantity, 0.0)
-        for offset in range(seeds):
+        # A shape of chosen IDs is a fixed case, seconds per seed: as many seeds as those.
+        for offset in range(max(seeds, CALIBRATION_SEEDS) if shape.tokens else seeds):
             seeded = dataclasses.replace(shape, seed=shape.seed + offset)
             tokens, targets = seeded.tokens_and_targets()
             case = DerivationCase(shape.config, seeded.seed, shape.variant, tokens, targets)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from spec.config import DecoderConfig
 from spec.oracle import oracle_forward, oracle_rows, to_float64
-from spec.parameters import FINAL_NORM_NAME, is_gain_name
+from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME, is_gain_name
 from spec.recipe import initial_parameters
 from spec.strategies import configs
 from spec.variants import HOT_SCALE, LARGE_GAIN, SHARP_SCALE, scenario_parameters
@@ -74,6 +74,19 @@ def test_the_hot_variant_scales_only_the_gate_and_down_matrices() -> None:
         factor = factors.get(name.rsplit(".", 2)[-2], 1.0)
         assert value.tobytes() == (varied[name] * factor).tobytes(), name
     assert sum(name.rsplit(".", 2)[-2] in factors for name in hot) == 2 * CONFIG.layers
+
+
+def test_the_spread_variant_is_the_recipe_with_the_table_over_its_xavier_bound() -> None:
+    config = DecoderConfig(70001, 16, 2, 32, 1, 16)
+    recipe = dict(initial_parameters(config, 5))
+    spread = dict(scenario_parameters(config, 5, "spread"))
+    bound = np.sqrt(6.0 / (70001 + 16))
+    for name, value in spread.items():
+        if name == EMBEDDING_NAME:
+            np.testing.assert_allclose(value, recipe[name] / bound, rtol=1e-15)
+            assert 0.99 < np.max(np.abs(value)) <= 1.0  # entries fill [-1, 1]
+        else:
+            assert value.tobytes() == recipe[name].tobytes(), name
 
 
 def test_an_unknown_variant_is_named() -> None:

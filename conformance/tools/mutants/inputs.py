@@ -237,3 +237,41 @@ class TokensReadInMemoryOrder(MutantBackend):
         self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
     ) -> LossOutput:
         return super().loss(model, _in_memory_order(tokens), _in_memory_order(targets), **detach)
+
+
+class _TokensIn16BitsModel(DecoderModel):
+    def _checked_token_ids(
+        self, flat: npt.NDArray[np.generic], batch: int, length: int
+    ) -> npt.NDArray[np.intp]:
+        checked = super()._checked_token_ids(flat, batch, length)
+        return checked.astype(np.uint16).astype(np.intp)  # checked first, then narrowed
+
+
+@mutant("VALUE-LARGE-IDS")
+class TokenIdsKeptInUint16(MutantBackend):
+    """Token IDs are kept in uint16 once checked, so ID 65,536 looks up row 0.
+
+    A token buffer sized for GPT-2's 50,257 entries (uint16, as nanoGPT's data files hold
+    them) in a model whose vocabulary outgrew it.
+    """
+
+    model_class = _TokensIn16BitsModel
+
+
+class _TargetsInInt16Model(DecoderModel):
+    def validate_targets(
+        self, targets: npt.ArrayLike, batch: int, length: int
+    ) -> npt.NDArray[np.intp]:
+        checked = super().validate_targets(targets, batch, length)
+        # numpy reads a negative index from the end of the row: no error, another column.
+        return checked.astype(np.int16).astype(np.intp)
+
+
+@mutant("VALUE-LARGE-IDS")
+class TargetIdsKeptInInt16(MutantBackend):
+    """Target IDs are kept in int16 once checked, so the loss reads ID 32,768 as -32,768.
+
+    numpy's negative indexing then reads another logit of the row, without an error.
+    """
+
+    model_class = _TargetsInInt16Model
