@@ -269,8 +269,8 @@ def run_suite(
 ) -> Report:
     """Check a backend against every rule (or ``rules``, IDs or globs; or ``tests``, node
     IDs) and return the rule-by-rule :class:`Report`; with ``profile="scale"``, the SCALE
-    rules at ``scale_shapes`` (names in :data:`spec.scale.SCALE_SHAPES`; the three of real
-    size when empty).
+    rules at ``scale_shapes`` (names in :data:`spec.scale.SCALE_SHAPES`; when empty,
+    :data:`spec.scale.DEFAULT_SCALE_SHAPES`).
 
     ``adapter`` is a registered name, ``module:attribute`` or ``file.py:attribute``
     (default: ``$DECODER_CONFORMANCE_ADAPTER``, else the reference). The run's output is

@@ -1,7 +1,7 @@
 """Scale: the rules at the size of real models, with the float64 reference as the oracle.
 
 Run by ``--profile scale`` only (``conformance.profiles.runs_rule``), once per shape of
-:mod:`spec.scale` (``--scale-shape NAME``, repeatable; by default the three of real size).
+:mod:`spec.scale` (``--scale-shape NAME``, repeatable; by default DEFAULT_SCALE_SHAPES).
 Each bound is the declared precision's, measured at the shape itself
 (:func:`spec.tolerances.scale_tolerance`).
 """

@@ -100,6 +100,13 @@ SCALE_SHAPES: dict[str, ScaleShape] = {shape.name: shape for shape in (
         "where 8-bit, 16-bit, bfloat16 and float16 copies of an ID go wrong (VALUE-LARGE-IDS)",
     ),
     ScaleShape(
+        "wide-heads",
+        DecoderConfig(97, 256, 2, 344, 1, 80),
+        batch=2, positions=80, seed=128,
+        about="two heads of width 128 over 80 positions: the head width of most real models, "
+        "where engines switch to kernels specialized for it, past a 64-position tile",
+    ),
+    ScaleShape(
         "smoke",
         DecoderConfig(512, 64, 4, 172, 2, 256),
         batch=2, positions=64, seed=64,
@@ -108,8 +115,14 @@ SCALE_SHAPES: dict[str, ScaleShape] = {shape.name: shape for shape in (
 )}
 # fmt: on
 
-# What ``--profile scale`` runs when no shape is named: the three of the size of real models.
-DEFAULT_SCALE_SHAPES: tuple[str, ...] = ("smollm2-135m", "long-context", "wide-vocabulary")
+# What ``--profile scale`` runs when no shape is named: the three of the size of real models,
+# and the head width of most of them (seconds).
+DEFAULT_SCALE_SHAPES: tuple[str, ...] = (
+    "smollm2-135m",
+    "long-context",
+    "wide-vocabulary",
+    "wide-heads",
+)
 
 
 def scale_shape(name: str) -> ScaleShape:

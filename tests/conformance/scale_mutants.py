@@ -41,6 +41,31 @@ class RopeTablesInFloat16(TorchFloat32Backend):
         return super().build(config, parameters)
 
 
+def _at_most_64_features_rotated(
+    length: int, head_width: int, base: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The right tables for the first 32 pairs of a head; past them angle 0 (cos 1, sin 0),
+    as a kernel written for heads of width 64 leaves the rest of a wider head unrotated."""
+    cos, sin = _right_tables(length, head_width, base, dtype)
+    cos, sin = cos.clone(), sin.clone()
+    cos[:, 32:], sin[:, 32:] = 1, 0
+    return cos, sin
+
+
+_right_tables = torch_backend.rotary_tables
+
+
+class RopeRotatesAtMost64Features(TorchFloat32Backend):
+    """torch-float32 whose RoPE rotates at most 64 features of a head: every generated head
+    is at most 8 wide, so only a shape with wider heads sees it."""
+
+    name = "torch-float32-rope-rotates-at-most-64-features"
+
+    def build(self, config: DecoderConfig, parameters: Parameters) -> Any:
+        torch_backend.rotary_tables = _at_most_64_features_rotated
+        return super().build(config, parameters)
+
+
 def _softmax_in_float16(scores: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.softmax(scores.half(), dim=dim).to(scores.dtype)
 
