@@ -19,12 +19,24 @@ float32: 1.4e-4 against 3.3e-5).
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+import numpy.typing as npt
+
 from conformance.cases import Scenario
-from conformance.tools.tolerance_derivation import DerivationCase, conditioning_errors
-from spec.formats import Precision
+from conformance.tools.tolerance_derivation import (
+    CALIBRATION_SEEDS,
+    CASE_SAFETY,
+    DerivationCase,
+    conditioning_errors,
+    emulation_errors,
+)
+from spec.config import DecoderConfig
+from spec.formats import Precision, number_format
 from spec.tolerances import Quantity, Tolerance, ToleranceModel
 
-__all__ = ["CONDITION_FACTOR", "case_bounds"]
+__all__ = ["CONDITION_FACTOR", "case_bounds", "fixed_case_logits_bound"]
 
 CONDITION_FACTOR = 16.0
 
@@ -52,3 +64,26 @@ def case_bounds(model: ToleranceModel, scenario: Scenario) -> Tolerance:
         loss=widened[Quantity.LOSS],
         gradients=widened[Quantity.GRADIENTS],
     )
+
+
+def fixed_case_logits_bound(
+    model: ToleranceModel, config: DecoderConfig, seed: int, variant: str, tokens: npt.ArrayLike
+) -> float:
+    """A fixed case's logits bound, calibrated at run time as the suite's fixed cases are
+    (``tolerances derive``): the tighter of the model's bound and CASE_SAFETY x the
+    emulation's largest logits error over CALIBRATION_SEEDS seeds of the configuration and
+    tokens (every sequence), never under CASE_SAFETY x 4 u. Float64: the model's."""
+    ids = np.asarray(tokens)
+    general = model.at(config, ids.shape[1]).logits
+    precision = Precision(model.precision)
+    if precision is Precision.FLOAT64:
+        return general
+    worst = 0.0
+    rows = tuple(range(ids.shape[1]))
+    for offset in range(CALIBRATION_SEEDS):
+        for sequence in ids:
+            case = DerivationCase(config, seed, variant, sequence[None, :], sequence[None, :])
+            seeded = dataclasses.replace(case, seed=(seed + offset) % 2**64)
+            worst = max(worst, emulation_errors(seeded, precision, rows)[Quantity.LOGITS])
+    floor = CASE_SAFETY * 4 * number_format(precision).unit_roundoff
+    return min(general, max(CASE_SAFETY * worst, floor))

@@ -132,6 +132,8 @@ RULES: tuple[Rule, ...] = (
     Rule("VALUE-LARGE-IDS", "With 70,001 entries, token and target IDs past 255, 2,048 and 65,535 select their own rows: values and gradients match the reference.", C.VALUES, f"{_SCALE}; project rule: an ID kept in 8 or 16 bits, or in a bfloat16 or float16 array, reads another row"),
     Rule("VALUE-LONG-CONTEXT", "At 4096 positions, sampled logit rows (0 to 4095) agree with the oracle: RoPE at large positions, masks and long softmax rows.", C.VALUES, f"{_FORMULA}; project rule (issue 19): RoPE tables in low precision drift at long positions"),
     Rule("VALUE-SEED-FIXTURE", "The seed fixture's published rows, logits and loss are reproduced to six decimals; build_seeded(config, 32) gives the same logits bitwise.", C.VALUES, "seed: 'Inspect representative hidden rows and every logit'"),
+    # After the value rules: a port whose values are wrong fails them first, by their names.
+    Rule("DET-ISOLATION", "A model's results do not depend on models run before it: same shapes with another RoPE base, epsilon or parameters.", C.DETERMINISM, "seed: a model is a function of its configuration and parameters; project rule: a table, weight or compiled function kept per process under too narrow a key"),
     Rule("GRAD-FINITE", "The loss gives every parameter tensor a finite gradient.", C.GRADIENTS, _GRADCHECK, needs=(K.GRADIENTS,)),
     Rule("GRAD-ORACLE", "Every parameter scalar's gradient agrees with the high-precision oracle gradient within tolerance.", C.GRADIENTS, f"{_ROLES}; project rule (issue 6)", needs=(K.GRADIENTS,)),
     Rule("GOLDEN-VALUES", "On every golden case, every stage, the logits and the loss match the golden file within tolerance.", C.GOLDEN, "golden/ (issue 5)"),

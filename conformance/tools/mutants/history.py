@@ -121,3 +121,28 @@ class DetachedRoleStaysDetached(MutantBackend):
         detached["detach_lookup"] |= detach_lookup
         detached["detach_head"] |= detach_head
         return super().loss(model, tokens, targets, **detached)
+
+
+# One table pair per head width for the whole process: the key leaves the base out.
+_TABLES_BY_HEAD_WIDTH: dict[int, tuple[Array, Array]] = {}
+
+
+class _TablesKeptPerProcess(RotaryEmbedding):
+    def tables(self, end: int) -> tuple[Array, Array]:
+        head_width = 2 * self.inverse_frequency.shape[0]
+        kept = _TABLES_BY_HEAD_WIDTH.get(head_width)
+        if kept is None or kept[0].shape[0] < end:
+            cos, sin = super().tables(end)
+            kept = _TABLES_BY_HEAD_WIDTH[head_width] = (cos.copy(), sin.copy())
+        return kept[0][:end], kept[1][:end]
+
+
+@mutant("DET-ISOLATION")
+class RopeTablesKeptPerHeadWidth(MutantBackend):
+    """RoPE tables are kept per process by head width, so a later model with another base
+    reuses the first one's.
+
+    A module-level cache (or a compiled function's) whose key leaves the base out.
+    """
+
+    model_class = model_with("TablesKeptPerProcess", rope_class=_TablesKeptPerProcess)
