@@ -19,18 +19,15 @@ float32: 1.4e-4 against 3.3e-5).
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import numpy.typing as npt
 
 from conformance.cases import Scenario
 from conformance.tools.tolerance_derivation import (
-    CALIBRATION_SEEDS,
     CASE_SAFETY,
     DerivationCase,
     conditioning_errors,
-    emulation_errors,
+    worst_over_seeds,
 )
 from spec.config import DecoderConfig
 from spec.formats import Precision, number_format
@@ -78,12 +75,15 @@ def fixed_case_logits_bound(
     precision = Precision(model.precision)
     if precision is Precision.FLOAT64:
         return general
-    worst = 0.0
     rows = tuple(range(ids.shape[1]))
-    for offset in range(CALIBRATION_SEEDS):
-        for sequence in ids:
-            case = DerivationCase(config, seed, variant, sequence[None, :], sequence[None, :])
-            seeded = dataclasses.replace(case, seed=(seed + offset) % 2**64)
-            worst = max(worst, emulation_errors(seeded, precision, rows)[Quantity.LOGITS])
+    # emulation_errors reads the given rows of the first sequence: each sequence on its own.
+    worst = max(
+        worst_over_seeds(
+            DerivationCase(config, seed, variant, sequence[None, :], sequence[None, :]),
+            precision,
+            rows,
+        )[Quantity.LOGITS]
+        for sequence in ids
+    )
     floor = CASE_SAFETY * 4 * number_format(precision).unit_roundoff
     return min(general, max(CASE_SAFETY * worst, floor))

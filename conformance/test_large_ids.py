@@ -12,7 +12,6 @@ explains it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -20,12 +19,10 @@ import numpy.typing as npt
 import pytest
 
 from conformance.adapter import Backend, Capability, FloatArray
-from conformance.checks import Case, Judge
+from conformance.checks import Judge
+from conformance.scale import close_each, runs_at, shape_bound
 from spec.formats import Precision, round_to
 from spec.parameters import EMBEDDING_NAME
-from spec.scale import ScaleShape, scale_shape
-from spec.tolerances import MissingScaleBound, Tolerance, scale_tolerance
-from spec.variants import scenario_parameters
 
 IdArray = npt.NDArray[np.int64]
 SHAPE_NAME = "large-ids"
@@ -48,34 +45,6 @@ READINGS: dict[str, Callable[[IdArray], IdArray]] = {
     "ID kept in a signed 16-bit integer": lambda ids: (ids + 2**15) % 2**16 - 2**15,
     "ID kept in 16 bits": lambda ids: ids % 2**16,
 }
-
-
-@functools.cache
-def _reference_run(
-    name: str,
-) -> tuple[list[tuple[str, FloatArray]], FloatArray, float, dict[str, FloatArray]]:
-    """The float64 reference's stages, logits, loss and gradients at the shape."""
-    from conformance.adapters.reference import ReferenceBackend  # the oracle, by its adapter
-
-    shape = scale_shape(name)
-    tokens, targets = shape.tokens_and_targets()
-    oracle = ReferenceBackend()
-    model = oracle.build(shape.config, scenario_parameters(shape.config, shape.seed, shape.variant))
-    forward = oracle.forward(model, tokens)
-    loss = oracle.loss(model, tokens, targets)
-    return forward.stages or [], forward.logits, loss.loss, loss.gradients or {}
-
-
-def _bound(backend: Backend) -> Tolerance:
-    try:
-        return scale_tolerance(backend.precision, SHAPE_NAME)
-    except MissingScaleBound as missing:  # no verdict either way: the bound is not known
-        pytest.skip(str(missing))
-
-
-def _case(shape: ScaleShape, call: str) -> Case:
-    tokens, targets = shape.tokens_and_targets()
-    return Case(shape.config, shape.seed, tokens, targets, call=call, variant=shape.variant)
 
 
 def _rows_looked_up(table: FloatArray, lookup: FloatArray) -> IdArray:
@@ -128,24 +97,21 @@ def _hint(readings: list[str], values: str) -> str:
 def test_large_ids_select_their_own_rows(backend: Backend, judge: Judge) -> None:
     """Lookup rows, logits, loss and gradients at IDs just past 255, 2,048, 32,767 and 65,535
     (and the last row, 70,000) against the float64 reference."""
-    shape = scale_shape(SHAPE_NAME)
-    bound = _bound(backend)
-    tokens, targets = shape.tokens_and_targets()
-    parameters = scenario_parameters(shape.config, shape.seed, shape.variant)
-    table = dict(parameters)[EMBEDDING_NAME]
-    stages, logits, loss, gradients = _reference_run(SHAPE_NAME)
+    bound = shape_bound(backend, SHAPE_NAME)
+    runs = runs_at(SHAPE_NAME, backend)  # the scale rules' runs: the reference's first
+    reference = runs.reference()
+    config, tokens, targets = runs.shape.config, runs.tokens, runs.targets
 
-    model = backend.build(shape.config, parameters)
-    output = backend.forward(model, tokens)
-    check = judge.on(_case(shape, "backend.forward(model, tokens)"))
+    output = runs.forward()
+    check = judge.on(runs.case())
     got_logits = np.asarray(output.logits, dtype=np.float64)
     if output.stages is not None:
         got = dict(output.stages)
         lookup = np.asarray(got.get("embedding", np.zeros(0)), dtype=np.float64)
-        if lookup.shape == (*tokens.shape, shape.config.model_width):
-            read = _rows_looked_up(table, lookup)
+        if lookup.shape == (*tokens.shape, config.model_width):
+            read = _rows_looked_up(dict(runs.parameters)[EMBEDDING_NAME], lookup)
             readings = _readings_matching(
-                lambda ids: np.array_equal(ids, read), tokens, shape.config.vocabulary_size
+                lambda ids: np.array_equal(ids, read), tokens, config.vocabulary_size
             )
             check.check(
                 np.array_equal(read, tokens),
@@ -154,44 +120,39 @@ def test_large_ids_select_their_own_rows(backend: Backend, judge: Judge) -> None
                 "the row of each ID"
                 + (f"; {_hint(readings, 'the rows are those')}" if readings else ""),
             )
-        for name, exact in stages:
-            if name not in got:
-                check.fail(f"stage {name}", "missing", f"shape {list(exact.shape)}")
-            check.close(f"stage {name}", got[name], exact, bound.stages)
+        close_each(check, "stage", got, reference.stages, bound.stages)
 
     def forward_matches(read: IdArray) -> bool:
         from conformance.adapters.reference import ReferenceBackend
 
         oracle = ReferenceBackend()
-        expected = oracle.forward(oracle.build(shape.config, parameters), read).logits
+        expected = oracle.forward(oracle.build(config, runs.parameters), read).logits
         return Judge.within(got_logits, expected, bound.logits)
 
     hint = ""
-    if got_logits.shape == logits.shape and not Judge.within(got_logits, logits, bound.logits):
-        readings = _readings_matching(forward_matches, tokens, shape.config.vocabulary_size)
+    if got_logits.shape == reference.logits.shape and not Judge.within(
+        got_logits, reference.logits, bound.logits
+    ):
+        readings = _readings_matching(forward_matches, tokens, config.vocabulary_size)
         hint = _hint(readings, "the logits are those")
-    check.close("logits", got_logits, logits, bound.logits, hint=hint)
+    check.close("logits", got_logits, reference.logits, bound.logits, hint=hint)
 
-    result = backend.loss(model, tokens, targets)
-    check = judge.on(_case(shape, "backend.loss(model, tokens, targets)"))
+    result = runs.loss()
+    check = judge.on(runs.case("backend.loss(model, tokens, targets)"))
 
     def loss_matches(read: IdArray) -> bool:
         # The mean NLL of the backend's own (correct) logits at the targets as read.
-        rows = got_logits.reshape(-1, shape.config.vocabulary_size)
+        rows = got_logits.reshape(-1, config.vocabulary_size)
         top = rows.max(axis=1)
         lse = top + np.log(np.exp(rows - top[:, None]).sum(axis=1))
         nll = float(np.mean(lse - rows[np.arange(rows.shape[0]), read.reshape(-1)]))
         return Judge.within(result.loss, nll, bound.loss)
 
     hint = ""
-    if not Judge.within(result.loss, loss, bound.loss) and np.isfinite(result.loss):
-        readings = _readings_matching(loss_matches, targets, shape.config.vocabulary_size)
+    if not Judge.within(result.loss, reference.loss, bound.loss) and np.isfinite(result.loss):
+        readings = _readings_matching(loss_matches, targets, config.vocabulary_size)
         hint = _hint(readings, "the loss is that")
-    check.close("loss", result.loss, loss, bound.loss, hint=hint)
-    if Capability.GRADIENTS not in backend.capabilities:
-        return
-    got_gradients = result.gradients or {}
-    for name, exact in gradients.items():
-        if name not in got_gradients:
-            check.fail(f"gradient of {name}", "missing", f"shape {list(exact.shape)}")
-        check.close(f"gradient of {name}", got_gradients[name], exact, bound.gradients)
+    check.close("loss", result.loss, reference.loss, bound.loss, hint=hint)
+    if Capability.GRADIENTS in backend.capabilities:
+        gradients = result.gradients or {}
+        close_each(check, "gradient of", gradients, reference.gradients.items(), bound.gradients)

@@ -14,10 +14,10 @@ import pytest
 
 from conformance.adapter import Backend
 from conformance.checks import Judge
-from conformance.scale import ShapeRuns, runs_at
+from conformance.scale import ShapeRuns, close_each, runs_at, shape_bound
 from spec.parameters import EMBEDDING_NAME, parameter_count, parameter_names
 from spec.scale import DEFAULT_SCALE_SHAPES
-from spec.tolerances import MissingScaleBound, Tolerance, scale_tolerance
+from spec.tolerances import Tolerance
 from spec.variants import scenario_parameters
 
 
@@ -29,17 +29,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("shape_name", list(dict.fromkeys(names)))
 
 
-def _bound(backend: Backend, shape_name: str) -> Tolerance:
-    try:
-        return scale_tolerance(backend.precision, shape_name)
-    except MissingScaleBound as missing:  # no verdict either way: the bound is not known
-        pytest.skip(str(missing))
-
-
 def _runs(backend: Backend, shape_name: str) -> tuple[ShapeRuns, Tolerance]:
     """A value rule's runs and bound; the reference runs first, so its activations are gone
     before the backend's model exists (the value rules come first in a shape's order)."""
-    bound = _bound(backend, shape_name)
+    bound = shape_bound(backend, shape_name)
     runs = runs_at(shape_name, backend)
     runs.reference()
     return runs, bound
@@ -51,11 +44,7 @@ def test_stages_match_the_reference_at_scale(
 ) -> None:
     runs, bound = _runs(backend, shape_name)
     got = dict(runs.forward().stages or [])
-    check = judge.on(runs.case())
-    for name, exact in runs.reference().stages:
-        if name not in got:
-            check.fail(f"stage {name}", "missing", f"shape {list(exact.shape)}")
-        check.close(f"stage {name}", got[name], exact, bound.stages)
+    close_each(judge.on(runs.case()), "stage", got, runs.reference().stages, bound.stages)
 
 
 @pytest.mark.rule("SCALE-LOGITS")
@@ -78,10 +67,7 @@ def test_gradients_match_the_reference_at_scale(
     runs, bound = _runs(backend, shape_name)
     got = runs.loss().gradients or {}
     check = judge.on(runs.case("backend.loss(model, tokens, targets).gradients"))
-    for name, exact in runs.reference().gradients.items():
-        if name not in got:
-            check.fail(f"gradient of {name}", "missing", f"shape {list(exact.shape)}")
-        check.close(f"gradient of {name}", got[name], exact, bound.gradients)
+    close_each(check, "gradient of", got, runs.reference().gradients.items(), bound.gradients)
 
 
 def _late_position(positions: int) -> int:
@@ -125,7 +111,7 @@ _PAIR_LENGTH = 1024
 def test_a_sequence_alone_matches_the_batch_at_scale(
     backend: Backend, judge: Judge, shape_name: str
 ) -> None:
-    bound = _bound(backend, shape_name)
+    bound = shape_bound(backend, shape_name)
     runs = runs_at(shape_name, backend)
     model = runs.model()
     if runs.shape.batch > 1:

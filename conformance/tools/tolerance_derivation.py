@@ -56,6 +56,7 @@ __all__ = [
     "render_derivation",
     "round_up",
     "table_document",
+    "worst_over_seeds",
 ]
 
 SAFETY = 4.0
@@ -285,6 +286,18 @@ def conditioning_errors(
     return emulated, rounding
 
 
+def worst_over_seeds(
+    case: DerivationCase, precision: Precision, rows: tuple[int, ...] | None = None
+) -> dict[Quantity, float]:
+    """The emulation's largest errors over CALIBRATION_SEEDS seeds of ``case`` (its seed and
+    the next ones), as :func:`emulation_errors` measures them."""
+    worst = dict.fromkeys(Quantity, 0.0)
+    for offset in range(CALIBRATION_SEEDS):
+        seeded = dataclasses.replace(case, seed=(case.seed + offset) % 2**64)
+        worst = _larger(worst, emulation_errors(seeded, precision, rows))
+    return worst
+
+
 def calibrated_cases(precision: Precision) -> dict[str, dict[str, float]]:
     """Bounds for the suite's fixed cases, measured on their own configurations: CASE_SAFETY
     x the emulation's largest error over CALIBRATION_SEEDS seeds of the case's configuration
@@ -318,10 +331,7 @@ def calibrated_cases(precision: Precision) -> dict[str, dict[str, float]]:
     ]
     calibrated: dict[str, dict[str, float]] = {}
     for name, case, rows in fixed:
-        worst = dict.fromkeys(Quantity, 0.0)
-        for offset in range(CALIBRATION_SEEDS):
-            seeded = dataclasses.replace(case, seed=(case.seed + offset) % 2**64)
-            worst = _larger(worst, emulation_errors(seeded, precision, rows))
+        worst = worst_over_seeds(case, precision, rows)
         quantities = [Quantity.LOGITS] if rows is not None else list(Quantity)
         # A few roundings at least, should every seed happen to round kindly.
         floor = CASE_SAFETY * 4 * unit
