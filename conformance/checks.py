@@ -8,7 +8,7 @@ with :meth:`Judge.on`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -180,6 +180,35 @@ class Judge:
             f"{int(over.sum())} of {errors.size} elements over)",
             f"{float(exact_array[index])!r} within {tolerance:.3g}" + (f"; {hint}" if hint else ""),
         )
+
+    def close_each(
+        self,
+        kind: str,
+        got: Mapping[str, npt.ArrayLike] | None,
+        exact: Iterable[tuple[str, npt.ArrayLike]],
+        tolerance: float,
+        *,
+        scale: float | Callable[[npt.ArrayLike], float | None] | None = None,
+        hint: Callable[[npt.ArrayLike, npt.ArrayLike], str] | None = None,
+    ) -> None:
+        """:meth:`close` for each ``(name, exact)`` in order, as ``{kind} {name}``: failing at
+        the first array missing from ``got`` or off. ``scale`` is a number for every array or
+        one per exact array (a function of it); ``hint(got, exact)`` ends a failure's
+        message."""
+        returned = got or {}
+        for name, expected in exact:
+            what = f"{kind} {name}"
+            if name not in returned:
+                self.fail(what, "missing", f"shape {list(np.shape(expected))}")
+            value = returned[name]
+            self.close(
+                what,
+                value,
+                expected,
+                tolerance,
+                scale=scale(expected) if callable(scale) else scale,
+                hint="" if hint is None else hint(value, expected),
+            )
 
     def same_bits(self, what: str, got: npt.ArrayLike, expected: npt.ArrayLike) -> None:
         """Fail unless both are finite and bit for bit the same (shape and every value)."""

@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from conformance.adapter import Backend, FloatArray, ForwardOutput, LossOutput
-from conformance.checks import Case, Judge
+from conformance.checks import Case
 from conformance.guard import AdapterFault
 from conformance.heap import return_freed_memory
 from spec.scale import ScaleShape, scale_shape
 from spec.tolerances import MissingScaleBound, Tolerance, scale_tolerance
 from spec.variants import scenario_parameters
 
-__all__ = ["ReferenceRun", "ShapeRuns", "close_each", "runs_at", "shape_bound"]
+__all__ = ["ReferenceRun", "ShapeRuns", "runs_at", "shape_bound"]
 
 
 @dataclass
@@ -148,20 +147,6 @@ def shape_bound(backend: Backend, name: str) -> Tolerance:
         return scale_tolerance(backend.precision, name)
     except MissingScaleBound as missing:
         pytest.skip(str(missing))
-
-
-def close_each(
-    check: Judge,
-    kind: str,
-    got: Mapping[str, Any],
-    exact: Iterable[tuple[str, FloatArray]],
-    bound: float,
-) -> None:
-    """Every exact array (``{kind} {name}``) returned, and within ``bound``."""
-    for name, expected in exact:
-        if name not in got:
-            check.fail(f"{kind} {name}", "missing", f"shape {list(expected.shape)}")
-        check.close(f"{kind} {name}", got[name], expected, bound)
 
 
 _HELD: list[ShapeRuns] = []  # the current shape's runs only

@@ -20,7 +20,7 @@ import pytest
 
 from conformance.adapter import Backend, Capability, FloatArray
 from conformance.checks import Judge
-from conformance.scale import close_each, runs_at, shape_bound
+from conformance.scale import runs_at, shape_bound
 from spec.formats import Precision, round_to
 from spec.parameters import EMBEDDING_NAME
 
@@ -120,7 +120,7 @@ def test_large_ids_select_their_own_rows(backend: Backend, judge: Judge) -> None
                 "the row of each ID"
                 + (f"; {_hint(readings, 'the rows are those')}" if readings else ""),
             )
-        close_each(check, "stage", got, reference.stages, bound.stages)
+        check.close_each("stage", got, reference.stages, bound.stages)
 
     def forward_matches(read: IdArray) -> bool:
         from conformance.adapters.reference import ReferenceBackend
@@ -155,4 +155,4 @@ def test_large_ids_select_their_own_rows(backend: Backend, judge: Judge) -> None
     check.close("loss", result.loss, reference.loss, bound.loss, hint=hint)
     if Capability.GRADIENTS in backend.capabilities:
         gradients = result.gradients or {}
-        close_each(check, "gradient of", gradients, reference.gradients.items(), bound.gradients)
+        check.close_each("gradient of", gradients, reference.gradients.items(), bound.gradients)

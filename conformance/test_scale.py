@@ -14,7 +14,7 @@ import pytest
 
 from conformance.adapter import Backend
 from conformance.checks import Judge
-from conformance.scale import ShapeRuns, close_each, runs_at, shape_bound
+from conformance.scale import ShapeRuns, runs_at, shape_bound
 from spec.parameters import EMBEDDING_NAME, parameter_count, parameter_names
 from spec.scale import DEFAULT_SCALE_SHAPES
 from spec.tolerances import Tolerance
@@ -44,7 +44,7 @@ def test_stages_match_the_reference_at_scale(
 ) -> None:
     runs, bound = _runs(backend, shape_name)
     got = dict(runs.forward().stages or [])
-    close_each(judge.on(runs.case()), "stage", got, runs.reference().stages, bound.stages)
+    judge.on(runs.case()).close_each("stage", got, runs.reference().stages, bound.stages)
 
 
 @pytest.mark.rule("SCALE-LOGITS")
@@ -67,7 +67,7 @@ def test_gradients_match_the_reference_at_scale(
     runs, bound = _runs(backend, shape_name)
     got = runs.loss().gradients or {}
     check = judge.on(runs.case("backend.loss(model, tokens, targets).gradients"))
-    close_each(check, "gradient of", got, runs.reference().gradients.items(), bound.gradients)
+    check.close_each("gradient of", got, runs.reference().gradients.items(), bound.gradients)
 
 
 def _late_position(positions: int) -> int:

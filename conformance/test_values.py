@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import mpmath
 import numpy as np
 import numpy.typing as npt
@@ -77,12 +75,15 @@ def test_every_stage_matches_the_oracle(
         return
     bound = case_bounds(tolerance, scenario).stages
     got = dict(backend.forward(scenario.build(backend), scenario.tokens).stages or [])
-    check = judge.on(scenario.case())
-    for name, exact in _oracle(scenario)[0]:
-        if name not in got:
-            check.fail(f"stage {name}", "missing", f"shape {list(exact.shape)}")
-        hint = "" if Judge.within(got[name], exact, bound) else _hint(scenario, got, bound)
-        check.close(f"stage {name}", got[name], exact, bound, hint=hint)
+    judge.on(scenario.case()).close_each(
+        "stage",
+        got,
+        _oracle(scenario)[0],
+        bound,
+        hint=lambda value, exact: (
+            "" if Judge.within(value, exact, bound) else _hint(scenario, got, bound)
+        ),
+    )
 
 
 def _hint(scenario: Scenario, got: dict[str, FloatArray], tolerance: float) -> str:
@@ -213,30 +214,6 @@ def test_seed_fixture_published_numbers(
         check.close("logits of build_seeded(config, 32)", seeded, output.logits, 0.0)
 
 
-def _no_hint(values: npt.ArrayLike) -> str:
-    return ""
-
-
-def _close_gradients(
-    check: Judge,
-    got: dict[str, FloatArray] | None,
-    exact: dict[str, FloatArray],
-    bound: float,
-    *,
-    scale: float | None,
-    hint: Callable[[npt.ArrayLike], str] = _no_hint,
-) -> None:
-    """Every exact gradient returned and within ``bound`` at ``scale`` (None: each element
-    at its own size); ``hint(values)`` ends a failure's message."""
-    got = got or {}
-    for name, expected in exact.items():
-        if name not in got:
-            check.fail(f"gradient of {name}", "missing", f"shape {list(expected.shape)}")
-        check.close(
-            f"gradient of {name}", got[name], expected, bound, scale=scale, hint=hint(got[name])
-        )
-
-
 @pytest.mark.rule("VALUE-LARGE-LOGITS")
 @suite_settings(cost=3)
 @given(scenario=scenarios(min_layers=1, variants=("large",)))
@@ -281,8 +258,12 @@ def test_large_logits_keep_the_loss_finite_and_exact(
     # that failed at thorough) a correct torch's elementwise scaled error reached 1.5e-3
     # (float32) and 1.2e-11 (float64), past both tolerances; measured this way 6.8e-6 and
     # 1.6e-14, 146x and 625x under them.
-    _close_gradients(
-        check, result.gradients, exact.gradients, bound.gradients, scale=scales.gradients
+    check.close_each(
+        "gradient of",
+        result.gradients,
+        exact.gradients.items(),
+        bound.gradients,
+        scale=scales.gradients,
     )
 
 
@@ -353,7 +334,7 @@ def _judge_forward_and_gradients(
     is the exact forward pass over ``parameters`` (the scenario's); ``advice`` ends the
     message of a value that is not finite."""
 
-    def hint(values: npt.ArrayLike) -> str:
+    def hint(values: npt.ArrayLike, exact: npt.ArrayLike = 0.0) -> str:
         return "" if np.all(np.isfinite(np.asarray(values, dtype=np.float64))) else advice
 
     stages, logits, loss = oracle
@@ -361,13 +342,7 @@ def _judge_forward_and_gradients(
     output = backend.forward(model, scenario.tokens)
     check = judge.on(scenario.case())
     if output.stages is not None:
-        got = dict(output.stages)
-        for name, exact in stages:
-            if name not in got:
-                check.fail(f"stage {name}", "missing", f"shape {list(exact.shape)}")
-            check.close(
-                f"stage {name}", got[name], exact, bound.stages, scale=scale, hint=hint(got[name])
-            )
+        check.close_each("stage", dict(output.stages), stages, bound.stages, scale=scale, hint=hint)
     check.close(
         "logits", output.logits, logits, bound.logits, scale=scale, hint=hint(output.logits)
     )
@@ -382,10 +357,10 @@ def _judge_forward_and_gradients(
         scenario.config, parameters, scenario.tokens, scenario.targets, digits=40
     ).gradients
     largest = max(float(np.max(np.abs(value), initial=0.0)) for value in exact_gradients.values())
-    _close_gradients(
-        check,
+    check.close_each(
+        "gradient of",
         result.gradients,
-        exact_gradients,
+        exact_gradients.items(),
         bound.gradients,
         scale=None if scale is None else scale * max(largest, 1.0),
         hint=hint,
