@@ -20,7 +20,7 @@ from spec.parameters import EMBEDDING_NAME
 from spec.published import PUBLISHED_LOGITS, PUBLISHED_LOSS, PUBLISHED_STAGES
 from spec.recipe import initial_parameters
 from spec.tolerances import Precision, Tolerance, ToleranceModel
-from spec.variants import scenario_parameters
+from spec.variants import LOUD_SCALE, scenario_parameters
 
 ORACLE_DIGITS = 40  # far beyond float64; fewer digits than the default keep the suite quick
 
@@ -59,6 +59,27 @@ TINY_ROWS = Scenario(
     tokens=np.array([[3, 0, 4], [1, 1, 2]]),
     targets=np.array([[0, 4, 1], [1, 2, 3]]),
     variant="tiny",
+)
+
+
+# A residual stream of a trained model's size (variant ``loud``: the table x 2048, the final
+# gain / 2048): rows of RMS 376 to 522, mean squares past float16's largest number, and
+# ordinary logits. A float16 RMSNorm that squares or averages without widening to float32
+# normalizes every row to 0 and gives logits of 0.
+LOUD_ROWS = Scenario(
+    DecoderConfig(6, 8, 2, 8, 2, 5),
+    seed=3,
+    tokens=np.array([[2, 5, 0, 3, 1], [4, 4, 1, 0, 5]]),
+    targets=np.array([[5, 0, 3, 1, 4], [4, 1, 0, 5, 2]]),
+    variant="loud",
+)
+
+
+LOUD_HINT = (
+    f"this case's residual rows have RMS in the hundreds (the table x {LOUD_SCALE:g}), as a "
+    "trained model's do: square and average them in float32 in every RMSNorm, as "
+    "transformers' LlamaRMSNorm does (in float16 a square past 256 overflows, and the row "
+    "normalizes to 0)"
 )
 
 
@@ -108,6 +129,7 @@ def _hint(scenario: Scenario, got: dict[str, FloatArray], tolerance: float) -> s
 @given(scenario=scenarios(full_context=True))
 @example(scenario=SMALL_BASE)
 @example(scenario=TINY_ROWS)
+@example(scenario=LOUD_ROWS)
 def test_logits_and_loss_match_the_oracle(
     backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
 ) -> None:
@@ -116,11 +138,13 @@ def test_logits_and_loss_match_the_oracle(
     bound = case_bounds(tolerance, scenario)
     model = scenario.build(backend)
     _, logits, loss = _oracle(scenario)
+    hint = LOUD_HINT if scenario.variant == "loud" else ""
     check = judge.on(scenario.case())
-    check.close("logits", backend.forward(model, scenario.tokens).logits, logits, bound.logits)
+    got_logits = backend.forward(model, scenario.tokens).logits
+    check.close("logits", got_logits, logits, bound.logits, hint=hint)
     got = backend.loss(model, scenario.tokens, scenario.targets).loss
     judge.on(scenario.case("backend.loss(model, tokens, targets)")).close(
-        "loss", got, loss, bound.loss
+        "loss", got, loss, bound.loss, hint=hint
     )
 
 

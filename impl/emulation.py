@@ -6,8 +6,8 @@ format; each operation (a matrix product, an RMSNorm, a rotation, a softmax, Swi
 loss) works internally in float32 (the accumulator every such port uses) from rounded inputs,
 and its result is rounded to the format before the next operation sees it. The gradients
 go through the same operations backwards, each rounded likewise. RMSNorm rounds twice
-(normalized, then times the gain), as transformers' LlamaRMSNorm does, and the loss is
-rounded to the format.
+(normalized, then times the gain), as transformers' LlamaRMSNorm does, after a mean square
+kept in the working precision, as it does too; the loss is rounded to the format.
 
 It is the instrument the tolerances are derived with (:mod:`conformance.tools.tolerance_survey`):
 its departure from the float64 reference, over thousands of generated configurations, is
@@ -122,10 +122,13 @@ class EmulatedModel:
         ar, q = self.arithmetic, self.arithmetic.q
         epsilon = float(self.config.rms_epsilon)
         width = x.shape[-1]
-        mean_square = q(ar.w(q(x.value * x.value)).mean(axis=-1, keepdims=True))
+        mean_square = self._mean_square(x.value)
         if epsilon == 0.0 and bool(np.any(mean_square == 0)):
             raise RmsZeroMeanSquare(row=int(np.flatnonzero(mean_square.reshape(-1) == 0)[0]))
-        inverse_root = q(1 / np.sqrt(q(mean_square + epsilon)))
+        # The root in float64, rounded once (for float32 and float64 exactly as before the
+        # mean square stayed unrounded: there the two are the same).
+        shifted = ar.w(mean_square.astype(np.float64) + epsilon)
+        inverse_root = q(1 / np.sqrt(shifted.astype(np.float64)))
         normalized = q(x.value * inverse_root)
 
         def vjp(g: Array) -> tuple[Array, Array]:
@@ -140,6 +143,14 @@ class EmulatedModel:
 
         value = q(self._round_normalized(normalized) * gain.value)
         return Tensor.from_operation(value, (x, gain), vjp, "rms_norm")
+
+    def _mean_square(self, values: Array) -> Array:
+        """Each row's mean square in the working precision, unrounded, as transformers'
+        LlamaRMSNorm computes it: in float16 a square alone overflows past |x| = 256, which a
+        residual stream of a trained model's size reaches (variant ``loud``)."""
+        work = self.arithmetic.w(values)
+        result: Array = (work * work).mean(axis=-1, keepdims=True)
+        return result
 
     def _tables(self, length: int) -> tuple[Array, Array]:
         head_width = self.config.head_width

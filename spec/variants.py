@@ -25,6 +25,12 @@ these variants as well as on the recipe's parameters:
   gain divided by it: the first norms see mean squares near 1e-30 (normal even in float32),
   where an epsilon of 0 must stay 0 (a hard-coded 1e-6 would swamp them), and the tied head
   brings the logits back to ordinary sizes, so the scaled error can see the difference;
+- ``loud``: ``varied``, then the embedding table multiplied by ``LOUD_SCALE`` and the final
+  gain divided by it: the residual stream's rows have RMS in the hundreds and more, as a
+  trained model's do, so a square alone passes float16's largest number (65,504 at
+  |x| > 256): an RMSNorm that squares or averages in float16 overflows, while one that works
+  in float32 (transformers' LlamaRMSNorm) is exact; the tied head brings the logits back to
+  ordinary sizes;
 - ``spread``: ``recipe`` (gains 1), but the embedding table divided by its Xavier bound
   ``sqrt(6 / (V + d))``, so that its entries fill [-1, 1] whatever the vocabulary: at 70,001
   entries the recipe's are under 0.01, and two rows' logits differ by less than a 16-bit
@@ -48,18 +54,23 @@ from spec.recipe import initial_parameters
 __all__ = [
     "HOT_SCALE",
     "LARGE_GAIN",
+    "LOUD_SCALE",
     "SHARP_SCALE",
     "TINY_SCALE",
     "VARIANTS",
     "scenario_parameters",
 ]
 
-VARIANTS = ("recipe", "varied", "large", "tiny", "sharp", "hot", "spread")
+VARIANTS = ("recipe", "varied", "large", "tiny", "sharp", "hot", "spread", "loud")
 LARGE_GAIN = 1000.0
 SHARP_SCALE = 16.0
 # Scores are q k^T / sqrt(hw): both factors scaled, the scores grow by SHARP_SCALE^2.
 SHARPENED_SUFFIXES = ("attention.query.weight", "attention.key.weight")
 TINY_SCALE = 1e-15
+# Large enough that the rows of a small vocabulary's table (Xavier bound 0.5 or more) have RMS
+# in the hundreds, past float16's square root of 65,504 (256); small enough that the final
+# gain, divided by it, stays a normal float16 number (at least 0.25 / 2048).
+LOUD_SCALE = 2048.0
 # The gate's input is normalized, so its pre-activations grow with the gate matrix alone; the
 # down matrix undoes the growth of silu(gate) * up (silu(u) ~ u for large positive u).
 HOT_SCALE = 64.0
@@ -100,5 +111,9 @@ def scenario_parameters(config: DecoderConfig, seed: int, variant: str = "recipe
             new = new * TINY_SCALE
         if variant == "tiny" and name == FINAL_NORM_NAME:
             new = new / TINY_SCALE
+        if variant == "loud" and name == EMBEDDING_NAME:
+            new = new * LOUD_SCALE
+        if variant == "loud" and name == FINAL_NORM_NAME:
+            new = new / LOUD_SCALE
         varied.append((name, np.ascontiguousarray(new, dtype=np.float64)))
     return varied

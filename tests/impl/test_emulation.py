@@ -58,3 +58,18 @@ def test_refusals_are_the_references() -> None:
     with pytest.raises(DecoderModelError) as refused:
         emulated.loss_and_gradients(TOKENS, TARGETS[:, :2])
     assert refused.value.kind == "target-count-mismatch"
+
+
+def test_float16_norms_rows_whose_squares_overflow_the_format() -> None:
+    """The ``loud`` variant's residual rows have RMS in the hundreds: every square of an entry
+    past 256 is past float16's largest number, yet a port that squares in float32 (as the
+    emulation does) is as close to the reference there as anywhere."""
+    config = DecoderConfig(6, 8, 2, 8, 2, 5)  # VALUE-LOGITS's loud case
+    reference = DecoderModel.from_parameters(config, scenario_parameters(config, 3, "loud"))
+    table = reference.parameters()[0].tensor.value
+    assert np.sqrt(np.mean(table**2, axis=1)).min() > 256
+    tokens = TOKENS % config.vocabulary_size
+    got = EmulatedModel(reference, "float16").forward(tokens).logits.value
+    exact = reference.forward(tokens).logits.value
+    assert np.all(np.isfinite(got))
+    assert np.max(np.abs(got - exact)) < 0.05 * np.max(np.abs(exact))

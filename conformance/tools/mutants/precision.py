@@ -96,6 +96,26 @@ class RmsNormCastBeforeTheGain(EmulatedBackend):
     emulation_class = _NormalizedInBfloat16
 
 
+class _SquaresInFloat16(EmulatedModel):
+    def _mean_square(self, values: Array) -> Array:
+        squares = round_to(values * values, Precision.FLOAT16)
+        return round_to(squares.astype(np.float32).mean(axis=-1, keepdims=True), Precision.FLOAT16)
+
+
+@mutant("VALUE-LOGITS")
+class RmsNormSquaresInFloat16(EmulatedBackend):
+    """RMSNorm squares and averages its rows in float16 in a float16 backend, without the
+    upcast to float32 that transformers' LlamaRMSNorm makes.
+
+    A residual row with entries past 256 squares to infinity; its inverse root is 0 and the
+    norm's output vanishes (pytorch/pytorch#133085: torch's fused RMSNorm in float16, put in
+    place of LlamaRMSNorm, gave wrong answers from its overflowing squares).
+    """
+
+    precision = Precision.FLOAT16
+    emulation_class = _SquaresInFloat16
+
+
 class _Float32Accumulation(Arithmetic):
     def product(self, a: Array, b: Array) -> Array:
         return (a.astype(np.float32) @ b.astype(np.float32)).astype(np.float64)
