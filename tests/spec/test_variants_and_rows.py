@@ -13,7 +13,7 @@ from spec.oracle import oracle_forward, oracle_rows, to_float64
 from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME, is_gain_name
 from spec.recipe import initial_parameters
 from spec.strategies import configs
-from spec.variants import HOT_SCALE, LARGE_GAIN, SHARP_SCALE, scenario_parameters
+from spec.variants import HOT_SCALE, LARGE_GAIN, LOUD_SCALE, SHARP_SCALE, scenario_parameters
 
 CONFIG = DecoderConfig(6, 8, 2, 12, 2, 5)
 
@@ -74,6 +74,18 @@ def test_the_hot_variant_scales_only_the_gate_and_down_matrices() -> None:
         factor = factors.get(name.rsplit(".", 2)[-2], 1.0)
         assert value.tobytes() == (varied[name] * factor).tobytes(), name
     assert sum(name.rsplit(".", 2)[-2] in factors for name in hot) == 2 * CONFIG.layers
+
+
+def test_the_loud_variant_scales_the_table_up_and_the_final_gain_down() -> None:
+    varied = dict(scenario_parameters(CONFIG, 3, "varied"))
+    loud = dict(scenario_parameters(CONFIG, 3, "loud"))
+    factors = {EMBEDDING_NAME: LOUD_SCALE, FINAL_NORM_NAME: 1 / LOUD_SCALE}
+    for name, value in loud.items():
+        assert value.tobytes() == (varied[name] * factors.get(name, 1.0)).tobytes(), name
+    # Rows of RMS past 256 (float16's square root of its largest number), and a final gain
+    # that float16 still holds as a normal number.
+    assert np.sqrt(np.mean(loud[EMBEDDING_NAME] ** 2, axis=1)).min() > 256
+    assert np.abs(loud[FINAL_NORM_NAME]).min() > 2.0**-14
 
 
 def test_the_spread_variant_is_the_recipe_with_the_table_over_its_xavier_bound() -> None:
