@@ -56,6 +56,7 @@ __all__ = [
     "LARGE_GAIN",
     "LOUD_SCALE",
     "SHARP_SCALE",
+    "TABLE_SCALES",
     "TINY_SCALE",
     "VARIANTS",
     "scenario_parameters",
@@ -71,6 +72,9 @@ TINY_SCALE = 1e-15
 # in the hundreds, past float16's square root of 65,504 (256); small enough that the final
 # gain, divided by it, stays a normal float16 number (at least 0.25 / 2048).
 LOUD_SCALE = 2048.0
+# Variants that scale the tied table and undo it with the final gain, so the logits stay
+# ordinary while the residual stream is tiny or loud.
+TABLE_SCALES = {"tiny": TINY_SCALE, "loud": LOUD_SCALE}
 # The gate's input is normalized, so its pre-activations grow with the gate matrix alone; the
 # down matrix undoes the growth of silu(gate) * up (silu(u) ~ u for large positive u).
 HOT_SCALE = 64.0
@@ -93,6 +97,7 @@ def scenario_parameters(config: DecoderConfig, seed: int, variant: str = "recipe
     # Its own stream, so the recipe's draws stay the recipe's.
     rng = np.random.Generator(np.random.PCG64(seed))
     varied: ParameterList = []
+    table_scale = TABLE_SCALES.get(variant)
     for name, value in entries:
         if is_gain_name(name):
             signs = rng.choice(np.array([-1.0, 1.0]), size=value.shape)
@@ -107,13 +112,9 @@ def scenario_parameters(config: DecoderConfig, seed: int, variant: str = "recipe
             new = new * HOT_SCALE
         if variant == "hot" and name.endswith("ffn.down.weight"):
             new = new / HOT_SCALE
-        if variant == "tiny" and name == EMBEDDING_NAME:
-            new = new * TINY_SCALE
-        if variant == "tiny" and name == FINAL_NORM_NAME:
-            new = new / TINY_SCALE
-        if variant == "loud" and name == EMBEDDING_NAME:
-            new = new * LOUD_SCALE
-        if variant == "loud" and name == FINAL_NORM_NAME:
-            new = new / LOUD_SCALE
+        if table_scale is not None and name == EMBEDDING_NAME:
+            new = new * table_scale
+        if table_scale is not None and name == FINAL_NORM_NAME:
+            new = new / table_scale
         varied.append((name, np.ascontiguousarray(new, dtype=np.float64)))
     return varied
