@@ -18,12 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from spec.config import DecoderConfig
-from spec.parameters import EMBEDDING_NAME, FINAL_NORM_NAME, parameter_layout
+from spec.parameters import (
+    BLOCK_PARAMETER_SUFFIXES,
+    EMBEDDING_NAME,
+    FINAL_NORM_NAME,
+    parameter_layout,
+)
 
 __all__ = [
     "GGUF_LLAMA",
@@ -31,12 +37,14 @@ __all__ = [
     "META_LLAMA",
     "ROTATED",
     "Convention",
+    "blocks_in_text_order",
     "from_rotate_half",
     "rotate_half_permutation",
     "to_rotate_half",
 ]
 
 Array = npt.NDArray[np.float64]
+Entry = TypeVar("Entry")
 # The matrices whose output features RoPE rotates: queries and keys, never values.
 ROTATED = ("attention.query.weight", "attention.key.weight")
 
@@ -69,6 +77,20 @@ def from_rotate_half(weight: npt.ArrayLike, heads: int) -> Array:
     restored = np.empty_like(matrix)
     restored[:, rotate_half_permutation(matrix.shape[1], heads)] = matrix
     return restored
+
+
+def blocks_in_text_order(entries: Sequence[Entry], layers: int) -> list[Entry]:
+    """``entries`` (one per parameter, in the stable order) with the blocks' groups in the
+    order of their indices written as text, 0, 1, 10, 11, 2, ...: the order of a map keyed
+    by that text, or of a checkpoint's sorted names. The same order below eleven blocks."""
+    per_block = len(BLOCK_PARAMETER_SUFFIXES)
+    if len(entries) != 2 + per_block * layers:
+        raise ValueError(
+            f"{len(entries)} entries, not the {2 + per_block * layers} of {layers} blocks"
+        )
+    groups = [entries[1 + per_block * k : 1 + per_block * (k + 1)] for k in range(layers)]
+    moved = [entry for k in sorted(range(layers), key=str) for entry in groups[k]]
+    return [entries[0], *moved, entries[-1]]
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 
 from conformance.adapter import Backend
-from conformance.cases import Scenario, scenarios
+from conformance.cases import DEEP_BLOCKS, Scenario, scenarios
 from conformance.checks import Case, Judge
 from conformance.conditioning import case_bounds
 from conformance.profiles import suite_settings
@@ -46,6 +46,7 @@ def test_every_parameter_gets_a_finite_gradient(
 @pytest.mark.rule("GRAD-ORACLE")
 @suite_settings(cost=2)
 @given(scenario=scenarios(full_context=True))
+@example(scenario=DEEP_BLOCKS)
 def test_gradients_match_the_oracle(
     backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
 ) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 
 from conformance.adapter import Backend, FloatArray
-from conformance.cases import Scenario, scenarios
+from conformance.cases import DEEP_BLOCKS, Scenario, scenarios
 from conformance.checks import Judge
 from conformance.profiles import suite_settings
 from spec.parameters import NAME_PATTERN, parameter_count, parameter_names
@@ -33,6 +33,7 @@ def test_parameter_count(backend: Backend, judge: Judge, scenario: Scenario) -> 
 @pytest.mark.rule("PARAM-NAMES")
 @suite_settings()
 @given(scenario=scenarios())
+@example(scenario=DEEP_BLOCKS)
 def test_stable_names_in_order(backend: Backend, judge: Judge, scenario: Scenario) -> None:
     got = [name for name, _ in _listed(backend, scenario)]
     expected = parameter_names(scenario.config)

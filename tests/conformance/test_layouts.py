@@ -13,6 +13,7 @@ from conformance.layouts import (
     HF_LLAMA,
     META_LLAMA,
     Convention,
+    blocks_in_text_order,
     from_rotate_half,
     rotate_half_permutation,
     to_rotate_half,
@@ -105,3 +106,18 @@ def test_names_and_layouts_of_the_two_conventions() -> None:
         META_LLAMA.load(
             DecoderConfig(5, 4, 2, 3, 0, 4), {"tok_embeddings.weight": np.zeros((5, 4))}
         )
+
+
+def test_blocks_in_text_order_moves_whole_blocks_only_past_ten() -> None:
+    def names(layers: int) -> list[str]:
+        return parameter_names(DecoderConfig(4, 2, 1, 2, layers, 2))
+
+    assert blocks_in_text_order(names(10), 10) == names(10)
+    moved = blocks_in_text_order(names(12), 12)
+    assert sorted(moved) == sorted(names(12))
+    blocks = [name.split(".")[1] for name in moved[1 : -1 : len(BLOCK_PARAMETER_SUFFIXES)]]
+    assert blocks == ["0", "1", "10", "11", "2", "3", "4", "5", "6", "7", "8", "9"]
+    assert moved[0] == names(12)[0] and moved[-1] == names(12)[-1]
+    assert moved[19:28] == names(12)[91:100]  # block 10's nine, third, in their own order
+    with pytest.raises(ValueError, match="20 entries, not the 110 of 12 blocks"):
+        blocks_in_text_order(names(2), 12)

@@ -8,6 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from conformance.adapter import FloatArray, ForwardOutput, LossOutput, Parameters
+from conformance.layouts import blocks_in_text_order
 from conformance.tools.mutants.base import MutantBackend, mutant
 
 
@@ -62,6 +63,35 @@ class SeparateHeadListed(MutantBackend):
 
     def build(self, config: Any, parameters: Parameters) -> Any:
         return super().build(config, [(n, v) for n, v in parameters if n != "lm_head.weight"])
+
+
+@mutant("PARAM-NAMES")
+class BlocksListedInTextOrder(MutantBackend):
+    """Blocks listed 0, 1, 10, 11, 2, ...: kept in a map keyed by the index as text.
+
+    Computation right; only the list's order is wrong, and only past ten blocks.
+    """
+
+    def parameters(self, model: Any) -> list[tuple[str, FloatArray]]:
+        return blocks_in_text_order(super().parameters(model), model.config.layers)
+
+
+@mutant("VALUE-STAGES")
+class BlocksLoadedInTextOrder(MutantBackend):
+    """A parameter list's block groups assigned in turn to blocks 0, 1, 10, 11, 2, ...
+
+    As a loader that walks a checkpoint's sorted names and fills the blocks one after
+    another does: past ten blocks, block 2 gets block 10's weights.
+    """
+
+    def build(self, config: Any, parameters: Parameters) -> Any:
+        listed = list(parameters)
+        try:
+            moved = blocks_in_text_order(listed, config.layers)
+            renamed = [(name, value) for (name, _), (_, value) in zip(listed, moved, strict=True)]
+        except (AttributeError, TypeError, ValueError):  # malformed: refused as the reference
+            return super().build(config, parameters)
+        return super().build(config, renamed)
 
 
 @mutant("TIE-OUTPUT-ROLE")
