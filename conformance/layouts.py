@@ -39,12 +39,14 @@ __all__ = [
     "Convention",
     "blocks_in_text_order",
     "from_rotate_half",
+    "loaded_in_text_order",
     "rotate_half_permutation",
     "to_rotate_half",
 ]
 
 Array = npt.NDArray[np.float64]
 Entry = TypeVar("Entry")
+Value = TypeVar("Value")
 # The matrices whose output features RoPE rotates: queries and keys, never values.
 ROTATED = ("attention.query.weight", "attention.key.weight")
 
@@ -91,6 +93,16 @@ def blocks_in_text_order(entries: Sequence[Entry], layers: int) -> list[Entry]:
     groups = [entries[1 + per_block * k : 1 + per_block * (k + 1)] for k in range(layers)]
     moved = [entry for k in sorted(range(layers), key=str) for entry in groups[k]]
     return [entries[0], *moved, entries[-1]]
+
+
+def loaded_in_text_order(
+    parameters: Sequence[tuple[str, Value]], layers: int
+) -> list[tuple[str, Value]]:
+    """``parameters`` as a loader that fills the blocks in turn from a checkpoint's sorted
+    names leaves them: the stable names, each block holding the values of the block that
+    the text order puts in its place (block 2 gets block 10's past ten blocks)."""
+    moved = blocks_in_text_order(parameters, layers)
+    return [(name, value) for (name, _), (_, value) in zip(parameters, moved, strict=True)]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from conformance.adapter import Backend, Capability, FloatArray
 from conformance.cases import DEEP_BLOCKS, Scenario, large_scales, scenarios, score_scale
 from conformance.checks import Case, Judge
 from conformance.conditioning import case_bounds, fixed_case_logits_bound
-from conformance.layouts import ROTATED, blocks_in_text_order, from_rotate_half
+from conformance.layouts import ROTATED, from_rotate_half, loaded_in_text_order
 from conformance.profiles import suite_settings
 from spec.config import FIXTURE, DecoderConfig
 from spec.oracle import oracle_forward, oracle_rows, precision, to_float64, to_mp
@@ -168,9 +168,7 @@ def test_logits_of_twelve_blocks_run_in_their_order(
 
     hint = ""
     if np.shape(got) == logits.shape and not Judge.within(got, logits, bound):
-        listed = scenario.parameters()
-        moved = blocks_in_text_order(listed, config.layers)
-        text_order = [(name, value) for (name, _), (_, value) in zip(listed, moved, strict=True)]
+        text_order = loaded_in_text_order(scenario.parameters(), config.layers)
         if Judge.within(got, _oracle(scenario, text_order)[1], bound):
             hint = (
                 "these are the logits of the blocks run 0, 1, 10, 11, 2, ...: blocks kept in "

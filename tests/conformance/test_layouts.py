@@ -15,6 +15,7 @@ from conformance.layouts import (
     Convention,
     blocks_in_text_order,
     from_rotate_half,
+    loaded_in_text_order,
     rotate_half_permutation,
     to_rotate_half,
 )
@@ -121,3 +122,7 @@ def test_blocks_in_text_order_moves_whole_blocks_only_past_ten() -> None:
     assert moved[19:28] == names(12)[91:100]  # block 10's nine, third, in their own order
     with pytest.raises(ValueError, match="20 entries, not the 110 of 12 blocks"):
         blocks_in_text_order(names(2), 12)
+    # Loaded in that order: the stable names, block 2 holding block 10's values.
+    loaded = loaded_in_text_order([(name, name) for name in names(12)], 12)
+    assert [name for name, _ in loaded] == names(12)
+    assert [value for _, value in loaded[19:28]] == names(12)[91:100]

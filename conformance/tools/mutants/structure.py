@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from conformance.adapter import FloatArray, ForwardOutput, LossOutput, Parameters
-from conformance.layouts import blocks_in_text_order
+from conformance.layouts import blocks_in_text_order, loaded_in_text_order
 from conformance.tools.mutants.base import MutantBackend, mutant
 
 
@@ -87,11 +87,10 @@ class BlocksLoadedInTextOrder(MutantBackend):
     def build(self, config: Any, parameters: Parameters) -> Any:
         listed = list(parameters)
         try:
-            moved = blocks_in_text_order(listed, config.layers)
-            renamed = [(name, value) for (name, _), (_, value) in zip(listed, moved, strict=True)]
+            loaded = loaded_in_text_order(listed, config.layers)
         except (AttributeError, TypeError, ValueError):  # malformed: refused as the reference
             return super().build(config, parameters)
-        return super().build(config, renamed)
+        return super().build(config, loaded)
 
 
 @mutant("TIE-OUTPUT-ROLE")
