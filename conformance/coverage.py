@@ -34,7 +34,15 @@ from spec.parameters import is_gain_name
 __all__ = ["PROPERTY", "RECORDER", "InputCoverage", "render_coverage"]
 
 PROPERTY = "input_coverage"  # the key of a test report's user property
-_SIZES = ("vocabulary_size", "model_width", "heads", "feed_forward_width", "layers", "context")
+_SIZES = (
+    "vocabulary_size",
+    "model_width",
+    "heads",
+    "head_width",
+    "feed_forward_width",
+    "layers",
+    "context",
+)
 
 
 def _describe_ids(values: object) -> str:
@@ -109,7 +117,10 @@ class InputCoverage:
         if not isinstance(config, DecoderConfig):
             return
         for name in _SIZES:
-            value = getattr(config, name)
+            try:
+                value = getattr(config, name)
+            except (ArithmeticError, TypeError):  # head_width of a config that was not refused
+                continue
             if isinstance(value, int) and not isinstance(value, bool):
                 low, high = self.size_ranges.get(name, [value, value])
                 self.size_ranges[name] = [min(low, value), max(high, value)]

@@ -43,6 +43,14 @@ def test_gains_dtypes_logits_and_lengths_are_counted() -> None:
     assert record.largest_logit == 7.5  # the largest finite one
     assert record.longest_sequence == 6
     assert record.size_ranges["context"] == [6, 6]
+    assert record.size_ranges["head_width"] == [4, 4]
+
+
+def test_a_config_with_no_heads_that_a_backend_built_is_recorded_without_a_head_width() -> None:
+    record = InputCoverage()
+    record.built("build", (DecoderConfig(5, 4, 0, 4, 1, 6),))  # accepted by a faulty backend
+    assert record.size_ranges["heads"] == [0, 0]
+    assert "head_width" not in record.size_ranges
 
 
 def test_shares_merge_into_the_same_figures() -> None:

@@ -95,8 +95,8 @@ def test_reference_passes_every_rule(reference_report: Path) -> None:
 def test_a_ci_run_sends_the_inputs_where_ports_break(reference_report: Path) -> None:
     """Issue 19's floor for what a ci run exercises: every refusal kind an adapter can be
     asked for, gains other than 1, logits in the thousands, positions past 4000, token
-    and parameter inputs of every type, and a model of more than ten blocks (whose indices
-    as text sort out of turn)."""
+    and parameter inputs of every type, a model of more than ten blocks (whose indices
+    as text sort out of turn), and heads of width 128."""
     from spec.errors import ADAPTER_KINDS
 
     coverage = json.loads(reference_report.read_text())["coverage"]
@@ -110,6 +110,7 @@ def test_a_ci_run_sends_the_inputs_where_ports_break(reference_report: Path) -> 
     )
     assert {"complex128", "bool", "int64", "float32"} <= set(coverage["parameter_dtypes"])
     assert coverage["size_ranges"]["layers"] == [0, 12]
+    assert coverage["size_ranges"]["head_width"][1] == 128  # VALUE-WIDE-HEADS
 
 
 def test_coverage_adds_up_across_workers() -> None:

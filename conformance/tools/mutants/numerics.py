@@ -167,6 +167,20 @@ class RopeFrequenciesInFloat32(MutantBackend):
     model_class = model_with("Float32Frequencies", rope_class=_Float32Frequencies)
 
 
+class _RotaryOfSixtyFourFeatures(RotaryEmbedding):
+    def __init__(self, head_width: int, base: float) -> None:
+        super().__init__(head_width, base)
+        self.inverse_frequency[32:] = 0.0  # angle 0 past the 32nd pair: left as it is
+
+
+@mutant("VALUE-WIDE-HEADS")
+class RopeRotatesSixtyFourFeaturesAtMost(MutantBackend):
+    """RoPE rotates only the first 64 features of a head, as a rotary width carried over from
+    a model with heads of 64 does; every generated head is at most 8 wide."""
+
+    model_class = model_with("RotaryOfSixtyFourFeatures", rope_class=_RotaryOfSixtyFourFeatures)
+
+
 class _RopeOnValues(CausalSelfAttention):
     def forward(self, x: Tensor) -> Tensor:
         query = self.rope.forward(self.split_heads(self.query.forward(x)))
