@@ -478,22 +478,25 @@ def test_large_gate_inputs_keep_values_and_gradients_finite_and_exact(
     )
 
 
-# One block over 4096 positions: the oracle computes the keys and values of the whole prefix
+# One block over 4608 positions: the oracle computes the keys and values of the whole prefix
 # and attends for the sampled rows only (spec.oracle.oracle_rows); head width 8 gives four
-# RoPE frequencies, down to base^(-3/4).
+# RoPE frequencies, down to base^(-3/4). Past 4096 (Llama 2's context, Mistral's attention
+# window): a RoPE table of 4096 positions wraps or caps at row 4096, and a window of 4096
+# keys drops the first 512 from row 4607.
 LONG_CONFIG = DecoderConfig(
-    vocabulary_size=7, model_width=8, heads=1, feed_forward_width=8, layers=1, context=4096
+    vocabulary_size=7, model_width=8, heads=1, feed_forward_width=8, layers=1, context=4608
 )
 LONG_SEED = 4096
-LONG_ROWS = (0, 1, 1023, 2047, 2048, 3001, 4000, 4095)
+LONG_ROWS = (0, 1, 1023, 2047, 2048, 3001, 4000, 4095, 4096, 4607)
 
 
 @pytest.mark.rule("VALUE-LONG-CONTEXT")
 def test_long_sequences_match_the_oracle_at_sampled_rows(
     backend: Backend, judge: Judge, tolerance: ToleranceModel
 ) -> None:
-    """Rows past 2048 expose capped or wrapped positions; a float32 RoPE table in a float64
-    backend is off by ~1e-6 there, a million times the float64 tolerance."""
+    """Rows past 2048 and 4096 expose capped or wrapped positions and windows of keys; a
+    float32 RoPE table in a float64 backend is off by ~1e-6 there, a million times the float64
+    tolerance."""
     rng = np.random.Generator(np.random.PCG64(LONG_SEED))
     tokens = rng.integers(0, LONG_CONFIG.vocabulary_size, size=(1, LONG_CONFIG.context))
     parameters = scenario_parameters(LONG_CONFIG, LONG_SEED, "varied")

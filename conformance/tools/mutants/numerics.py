@@ -65,6 +65,25 @@ class MaskWithFiniteFill(MutantBackend):
     model_class = model_with("FiniteMask", attention_class=_FiniteMask)
 
 
+_WINDOW = 4096  # Mistral 7B's sliding window, and Llama 2's context
+
+
+class _WindowOfKeys(c.ComposedAttention):
+    def weights(self, scores: Tensor) -> Tensor:
+        length = scores.shape[-1]
+        too_old = ~c.future_mask(length, 1 - _WINDOW)  # keys _WINDOW or more positions back
+        blocked = c.future_mask(length) | too_old
+        return c.masked_softmax(scores, blocked, -math.inf)
+
+
+@mutant("VALUE-LONG-CONTEXT")
+class AttentionSlidingWindow(MutantBackend):
+    """Each position attends to the last 4096 keys only (a sliding window carried over from
+    Mistral): the same as full attention on every sequence of up to 4096 tokens."""
+
+    model_class = model_with("WindowOfKeys", attention_class=_WindowOfKeys)
+
+
 class _SoftmaxWithoutRowMaximum(c.ComposedAttention):
     def weights(self, scores: Tensor) -> Tensor:
         blocked = c.future_mask(scores.shape[-1])
