@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NoReturn
 
 import numpy as np
@@ -23,13 +24,63 @@ from spec.config import DecoderConfig
 from spec.errors import ErrorKind
 from spec.tolerances import scaled_error
 
-__all__ = ["Case", "Judge"]
+__all__ = ["Case", "Hint", "Judge", "off_at_each_position", "positions_off", "spans"]
 
 
 def _literal(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return repr(value.tolist())
     return repr(value)
+
+
+# What a failure looks like: text, or a function computing it (called on a failure only, as
+# it may cost a pass over arrays of the size of a real model).
+Hint = str | Callable[[], str]
+
+
+def _ending(hint: Hint) -> str:
+    text = hint() if callable(hint) else hint
+    return f"; {text}" if text else ""
+
+
+def spans(indices: Iterable[int]) -> str:
+    """``0-63, 70`` for sorted indices."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return ", ".join(f"{low}" if low == high else f"{low}-{high}" for low, high in runs)
+
+
+def _counted(indices: npt.NDArray[np.intp], noun: str) -> str:
+    return f"{noun if indices.size == 1 else noun + 's'} {spans(int(i) for i in indices)}"
+
+
+def off_at_each_position(
+    got: npt.ArrayLike, exact: npt.ArrayLike, tolerance: float
+) -> npt.NDArray[np.bool_] | None:
+    """For ``[B, T, ...]`` arrays, whether any element at each position (axis 1) is past
+    ``tolerance`` or not finite; None when the shapes differ or there is no position axis."""
+    got_array = np.asarray(got, dtype=np.float64)
+    exact_array = np.asarray(exact, dtype=np.float64)
+    if got_array.shape != exact_array.shape or got_array.ndim < 2 or got_array.size == 0:
+        return None
+    over = ~(scaled_error(got_array, exact_array) <= tolerance)  # NaN counts as off
+    return np.asarray(over.reshape(*over.shape[:2], -1).any(axis=(0, 2)), dtype=np.bool_)
+
+
+def positions_off(got: npt.ArrayLike, exact: npt.ArrayLike, tolerance: float) -> str:
+    """Which positions (axis 1 of ``[B, T, ...]``) of ``got`` are past ``tolerance``, and
+    which are within: ``positions 64-79 of 80 off (positions 0-63 within)``; nothing when
+    the shapes differ or none is off."""
+    flagged = off_at_each_position(got, exact, tolerance)
+    if flagged is None or not flagged.any():
+        return ""
+    off, within = np.flatnonzero(flagged), np.flatnonzero(~flagged)
+    kept = f" ({_counted(within, 'position')} within)" if within.size else ""
+    return f"{_counted(off, 'position')} of {flagged.size} off{kept}"
 
 
 @dataclass(frozen=True)
@@ -100,7 +151,7 @@ class Judge:
         if not condition:
             self.fail(what, got, expected)
 
-    def finite(self, what: str, got: npt.ArrayLike, *, hint: str = "") -> None:
+    def finite(self, what: str, got: npt.ArrayLike, *, hint: Hint = "") -> None:
         """Fail, naming the first one, unless every value is finite; ``hint`` ends the
         message."""
         got_array = np.asarray(got, dtype=np.float64)
@@ -112,7 +163,7 @@ class Judge:
         self.fail(
             location,
             f"{float(got_array[index])!r} (not finite; {int(bad.sum())} of {bad.size} elements)",
-            "finite" + (f"; {hint}" if hint else ""),
+            "finite" + _ending(hint),
         )
 
     @staticmethod
@@ -131,11 +182,12 @@ class Judge:
         exact: npt.ArrayLike,
         tolerance: float,
         *,
-        hint: str = "",
+        hint: Hint = "",
         scale: float | npt.ArrayLike | None = None,
     ) -> None:
         """Fail unless every value is finite and ``|got - exact| / max(1, |exact|)`` is within
-        ``tolerance``; ``hint`` (what the failure looks like) ends the message.
+        ``tolerance``; ``hint`` (what the failure looks like, or a function giving it, called
+        only on a failure) ends the message.
 
         With ``scale`` (a number, or one per element), an element's error is
         ``|got - exact| / max(1, |exact|, scale)`` instead: for values that are sums of large
@@ -178,7 +230,7 @@ class Judge:
             location,
             f"{float(got_array[index])!r} ({measure}; "
             f"{int(over.sum())} of {errors.size} elements over)",
-            f"{float(exact_array[index])!r} within {tolerance:.3g}" + (f"; {hint}" if hint else ""),
+            f"{float(exact_array[index])!r} within {tolerance:.3g}" + _ending(hint),
         )
 
     def close_each(
@@ -193,8 +245,8 @@ class Judge:
     ) -> None:
         """:meth:`close` for each ``(name, exact)`` in order, as ``{kind} {name}``: failing at
         the first array missing from ``got`` or off. ``scale`` is a number for every array or
-        one per exact array (a function of it); ``hint(got, exact)`` ends a failure's
-        message."""
+        one per exact array (a function of it); ``hint(got, exact)``, called on a failure
+        only, ends a failure's message."""
         returned = got or {}
         for name, expected in exact:
             what = f"{kind} {name}"
@@ -207,7 +259,7 @@ class Judge:
                 expected,
                 tolerance,
                 scale=scale(expected) if callable(scale) else scale,
-                hint="" if hint is None else hint(value, expected),
+                hint="" if hint is None else partial(hint, value, expected),
             )
 
     def same_bits(self, what: str, got: npt.ArrayLike, expected: npt.ArrayLike) -> None:

@@ -23,7 +23,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -34,15 +34,11 @@ from spec.parameters import is_gain_name
 __all__ = ["PROPERTY", "RECORDER", "InputCoverage", "render_coverage"]
 
 PROPERTY = "input_coverage"  # the key of a test report's user property
-_SIZES = (
-    "vocabulary_size",
-    "model_width",
-    "heads",
-    "head_width",
-    "feed_forward_width",
-    "layers",
-    "context",
-)
+_SIZES = ("vocabulary_size", "model_width", "heads", "feed_forward_width", "layers", "context")
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _describe_ids(values: object) -> str:
@@ -116,12 +112,12 @@ class InputCoverage:
         config = arguments[0] if arguments else None
         if not isinstance(config, DecoderConfig):
             return
-        for name in _SIZES:
-            try:
-                value = getattr(config, name)
-            except (ArithmeticError, TypeError):  # head_width of a config that was not refused
-                continue
-            if isinstance(value, int) and not isinstance(value, bool):
+        sizes = {name: getattr(config, name) for name in _SIZES}
+        width, heads = sizes["model_width"], sizes["heads"]
+        if _is_count(width) and _is_count(heads) and heads > 0 and width % heads == 0:
+            sizes["head_width"] = width // heads  # only where the config is valid there
+        for name, value in sizes.items():
+            if _is_count(value):
                 low, high = self.size_ranges.get(name, [value, value])
                 self.size_ranges[name] = [min(low, value), max(high, value)]
         if isinstance(config.rope_base, float) and math.isfinite(config.rope_base):

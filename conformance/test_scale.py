@@ -8,12 +8,15 @@ Each bound is the declared precision's, measured at the shape itself
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import numpy as np
 import numpy.typing as npt
 import pytest
 
 from conformance.adapter import Backend
-from conformance.checks import Judge
+from conformance.checks import Judge, positions_off
 from conformance.scale import ShapeRuns, runs_at, shape_bound
 from spec.parameters import EMBEDDING_NAME, parameter_count, parameter_names
 from spec.scale import DEFAULT_SCALE_SHAPES
@@ -38,13 +41,21 @@ def _runs(backend: Backend, shape_name: str) -> tuple[ShapeRuns, Tolerance]:
     return runs, bound
 
 
+def _where(tolerance: float) -> Callable[[npt.ArrayLike, npt.ArrayLike], str]:
+    """The positions of a failing ``[B, T, ...]`` array past ``tolerance`` and those within:
+    an error from some position on points at a table, cache or tile that ends there."""
+    return lambda got, exact: positions_off(got, exact, tolerance)
+
+
 @pytest.mark.rule("SCALE-STAGES")
 def test_stages_match_the_reference_at_scale(
     backend: Backend, judge: Judge, shape_name: str
 ) -> None:
     runs, bound = _runs(backend, shape_name)
     got = dict(runs.forward().stages or [])
-    judge.on(runs.case()).close_each("stage", got, runs.reference().stages, bound.stages)
+    judge.on(runs.case()).close_each(
+        "stage", got, runs.reference().stages, bound.stages, hint=_where(bound.stages)
+    )
 
 
 @pytest.mark.rule("SCALE-LOGITS")
@@ -52,8 +63,9 @@ def test_logits_and_loss_match_the_reference_at_scale(
     backend: Backend, judge: Judge, shape_name: str
 ) -> None:
     runs, bound = _runs(backend, shape_name)
+    got, exact = runs.forward().logits, runs.reference().logits
     judge.on(runs.case()).close(
-        "logits", runs.forward().logits, runs.reference().logits, bound.logits
+        "logits", got, exact, bound.logits, hint=partial(_where(bound.logits), got, exact)
     )
     judge.on(runs.case("backend.loss(model, tokens, targets)")).close(
         "loss", runs.loss().loss, runs.reference().loss, bound.loss

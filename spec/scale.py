@@ -9,9 +9,9 @@ at each shape itself).
 
 Every shape is a function of its fields alone: the parameters are the recipe's for
 ``(config, seed)`` (Xavier-uniform matrices, gains 1), and the tokens and targets are drawn
-from ``PCG64(seed)`` (but ``large-ids``, which VALUE-LARGE-IDS judges at every profile: one
-block, the ``spread`` variant's table, chosen IDs). VALUE-WIDE-HEADS judges ``wide-heads`` at
-every profile too: it takes a second, and no generated head is wider than 8. Not the
+from ``PCG64(seed)`` (but ``large-ids``, which VALUE-LARGE-IDS judges at every profile but
+``scale``: one block, the ``spread`` variant's table, chosen IDs). VALUE-WIDE-HEADS judges
+``wide-heads`` at those profiles too (no generated head is wider than 8). Not the
 ``varied`` variant the generated cases also use: its rescaled matrices and gains compound over
 30 blocks, and measured at SmolLM2-135M's shape they made the emulation's worst float32 stage
 error 115 times and its bfloat16 one 44 times the recipe's, so that a 16-bit backend's values

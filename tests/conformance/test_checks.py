@@ -61,6 +61,29 @@ def test_a_hint_ends_the_message_of_a_value_that_is_not_finite() -> None:
     assert message.endswith("(not finite; 1 of 1 elements), but should be finite; why")
 
 
+def test_a_hint_given_as_a_function_is_called_on_a_failure_only() -> None:
+    calls: list[int] = []
+
+    def hint() -> str:
+        calls.append(1)
+        return "what it looks like"
+
+    exact = np.array([1.0, 2.0])
+    judge().close("values", exact, exact, 1e-12, hint=hint)
+    assert calls == []
+    assert failure(lambda: judge().close("values", exact + 1, exact, 1e-12, hint=hint)).endswith(
+        "; what it looks like"
+    )
+    each = {"a": exact}
+    judge().close_each("stage", each, [("a", exact)], 1e-12, hint=lambda g, e: hint())
+    assert calls == [1]
+    message = failure(
+        lambda: judge().close_each("stage", {"a": exact * 3}, [("a", exact)], 1e-12,
+                                   hint=lambda g, e: f"{float(g[0])} for {float(e[0])}")
+    )  # fmt: skip
+    assert message.endswith("; 3.0 for 1.0")
+
+
 def test_same_bits_compares_bits_and_sees_nan() -> None:
     judge().same_bits("loss", np.float64(0.5), np.float64(0.5))
     nan = failure(lambda: judge().same_bits("loss", np.float64("nan"), np.float64("nan")))

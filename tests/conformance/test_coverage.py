@@ -46,10 +46,16 @@ def test_gains_dtypes_logits_and_lengths_are_counted() -> None:
     assert record.size_ranges["head_width"] == [4, 4]
 
 
-def test_a_config_with_no_heads_that_a_backend_built_is_recorded_without_a_head_width() -> None:
+def test_a_config_a_backend_should_have_refused_is_recorded_without_a_head_width() -> None:
     record = InputCoverage()
-    record.built("build", (DecoderConfig(5, 4, 0, 4, 1, 6),))  # accepted by a faulty backend
-    assert record.size_ranges["heads"] == [0, 0]
+    for accepted in (  # by a faulty backend
+        DecoderConfig(5, 4, 0, 4, 1, 6),  # no heads
+        DecoderConfig(5, 10, 4, 4, 1, 6),  # a width that heads do not divide
+        DecoderConfig(5, True, True, 4, 1, 6),  # bools, not counts
+        DecoderConfig(5, "8", 2, 4, 1, 6),  # type: ignore[arg-type]
+    ):
+        record.built("build", (accepted,))
+    assert record.size_ranges["heads"] == [0, 4]
     assert "head_width" not in record.size_ranges
 
 

@@ -193,7 +193,7 @@ class _RotaryOfSixtyFourFeatures(RotaryEmbedding):
 
 
 @mutant("VALUE-WIDE-HEADS")
-class RopeRotatesSixtyFourFeaturesAtMost(MutantBackend):
+class RopeRotatesAtMostSixtyFourFeatures(MutantBackend):
     """RoPE rotates only the first 64 features of a head, as a rotary width carried over from
     a model with heads of 64 does; every generated head is at most 8 wide."""
 
