@@ -24,7 +24,15 @@ from spec.config import DecoderConfig
 from spec.errors import ErrorKind
 from spec.tolerances import scaled_error
 
-__all__ = ["Case", "Hint", "Judge", "off_at_each_position", "positions_off", "spans"]
+__all__ = [
+    "Case",
+    "Hint",
+    "Judge",
+    "describe_positions",
+    "off_at_each_position",
+    "positions_off",
+    "spans",
+]
 
 
 def _literal(value: Any) -> str:
@@ -75,7 +83,11 @@ def positions_off(got: npt.ArrayLike, exact: npt.ArrayLike, tolerance: float) ->
     """Which positions (axis 1 of ``[B, T, ...]``) of ``got`` are past ``tolerance``, and
     which are within: ``positions 64-79 of 80 off (positions 0-63 within)``; nothing when
     the shapes differ or none is off."""
-    flagged = off_at_each_position(got, exact, tolerance)
+    return describe_positions(off_at_each_position(got, exact, tolerance))
+
+
+def describe_positions(flagged: npt.NDArray[np.bool_] | None) -> str:
+    """:func:`positions_off`'s text for positions already flagged (``True`` where off)."""
     if flagged is None or not flagged.any():
         return ""
     off, within = np.flatnonzero(flagged), np.flatnonzero(~flagged)

@@ -8,9 +8,6 @@ Each bound is the declared precision's, measured at the shape itself
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
-
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -41,12 +38,6 @@ def _runs(backend: Backend, shape_name: str) -> tuple[ShapeRuns, Tolerance]:
     return runs, bound
 
 
-def _where(tolerance: float) -> Callable[[npt.ArrayLike, npt.ArrayLike], str]:
-    """The positions of a failing ``[B, T, ...]`` array past ``tolerance`` and those within:
-    an error from some position on points at a table, cache or tile that ends there."""
-    return lambda got, exact: positions_off(got, exact, tolerance)
-
-
 @pytest.mark.rule("SCALE-STAGES")
 def test_stages_match_the_reference_at_scale(
     backend: Backend, judge: Judge, shape_name: str
@@ -54,7 +45,13 @@ def test_stages_match_the_reference_at_scale(
     runs, bound = _runs(backend, shape_name)
     got = dict(runs.forward().stages or [])
     judge.on(runs.case()).close_each(
-        "stage", got, runs.reference().stages, bound.stages, hint=_where(bound.stages)
+        "stage",
+        got,
+        runs.reference().stages,
+        bound.stages,
+        # The positions off and within: an error from some position on points at a table,
+        # cache or tile that ends there.
+        hint=lambda stage, exact: positions_off(stage, exact, bound.stages),
     )
 
 
@@ -65,7 +62,7 @@ def test_logits_and_loss_match_the_reference_at_scale(
     runs, bound = _runs(backend, shape_name)
     got, exact = runs.forward().logits, runs.reference().logits
     judge.on(runs.case()).close(
-        "logits", got, exact, bound.logits, hint=partial(_where(bound.logits), got, exact)
+        "logits", got, exact, bound.logits, hint=lambda: positions_off(got, exact, bound.logits)
     )
     judge.on(runs.case("backend.loss(model, tokens, targets)")).close(
         "loss", runs.loss().loss, runs.reference().loss, bound.loss

@@ -20,7 +20,7 @@ import numpy.typing as npt
 import pytest
 
 from conformance.adapter import Backend, Capability
-from conformance.checks import Judge, off_at_each_position, positions_off
+from conformance.checks import Judge, describe_positions, off_at_each_position
 from conformance.scale import runs_at, shape_bound
 
 SHAPE_NAME = "wide-heads"
@@ -52,7 +52,7 @@ def _hint(tolerance: float) -> Callable[[npt.ArrayLike, npt.ArrayLike], str]:
         flagged = off_at_each_position(got, exact, tolerance)
         if flagged is None or not flagged.any():
             return ""
-        return f"{positions_off(got, exact, tolerance)}; {advice(flagged)}"
+        return f"{describe_positions(flagged)}; {advice(flagged)}"
 
     return hint
 
