@@ -55,11 +55,12 @@ def _at_most_64_features_rotated(
 _right_tables = torch_backend.rotary_tables
 
 
-class RopeRotatesAtMost64Features(TorchFloat32Backend):
-    """torch-float32 whose RoPE rotates at most 64 features of a head: every generated head
-    is at most 8 wide, so only a shape with wider heads sees it."""
+class RopeRotatesAtMostSixtyFourFeatures(TorchFloat32Backend):
+    """torch-float32 whose RoPE rotates at most 64 features of a head: the generated cases'
+    heads are at most 8 wide, so only heads of 128 (VALUE-WIDE-HEADS, the scale shape
+    wide-heads) see it. The catalogue's ``rope-rotates-at-most-sixty-four-features`` in torch."""
 
-    name = "torch-float32-rope-rotates-at-most-64-features"
+    name = "torch-float32-rope-rotates-at-most-sixty-four-features"
 
     def build(self, config: DecoderConfig, parameters: Parameters) -> Any:
         torch_backend.rotary_tables = _at_most_64_features_rotated

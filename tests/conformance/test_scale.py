@@ -74,7 +74,7 @@ def test_a_float16_softmax_fails_scale_stages() -> None:
     ("mutant", "needs", "shape", "failing"),
     [
         # RoPE on at most 64 features of a head: only wide-heads' heads of 128 are wider.
-        ("RopeRotatesAtMost64Features", "torch", "wide-heads", "SCALE-STAGES"),
+        ("RopeRotatesAtMostSixtyFourFeatures", "torch", "wide-heads", "SCALE-STAGES"),
         # torch's float16 cross_entropy sums 128,256 exponentials past 65,504: the loss is inf.
         ("LossInFloat16", "torch", "wide-vocabulary", "SCALE-LOGITS"),
         # rsqrt's backward in float16 overflows for rows of RMS below 0.025 (about 2 minutes).
