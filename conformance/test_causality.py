@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from conformance.adapter import Backend
 from conformance.cases import IdArray, Scenario, must_differ, scenarios
-from conformance.checks import Judge
+from conformance.checks import Case, Judge
 from conformance.profiles import suite_settings
+from conformance.test_values import LONG_CONFIG, LONG_SEED, long_inputs
 from spec.tolerances import ToleranceModel
 
 
@@ -86,6 +87,51 @@ def test_changing_token_t_changes_row_t(
     )[:, position]
     moved = bool(np.all(np.any(before != after, axis=-1)[np.any(exact_moves, axis=-1)]))
     check.check(moved, f"logit row {position} changed in every sequence", moved, True)
+
+
+# VALUE-LONG-CONTEXT's sequence with its first FAR_KEYS tokens set to FAR_TOKEN: for row 4607
+# those are the keys 4096 or more positions back, which a window of 4096 keys (Mistral's)
+# hides. With one block nothing else carries them to that row, so a windowed backend gives
+# the row bitwise unchanged, at any precision. Token 4 draws the row's attention: the
+# reference's row moves by 1.02, 30% of its largest logit, and each of its 7 logits moves by
+# at least 3 bfloat16 steps in the bfloat16 emulation (tests/conformance/test_long_context.py).
+FAR_KEYS = 512
+FAR_TOKEN = 4
+
+
+@pytest.mark.rule("CAUSAL-LONG-REACH")
+def test_the_last_row_sees_the_first_keys(backend: Backend, judge: Judge) -> None:
+    tokens, parameters = long_inputs()
+    changed = tokens.copy()
+    changed[:, :FAR_KEYS] = FAR_TOKEN
+    last = LONG_CONFIG.context - 1
+    call = (
+        "changed_tokens = tokens.copy()\n"
+        f"changed_tokens[:, :{FAR_KEYS}] = {FAR_TOKEN}\n"
+        f"before = backend.forward(model, tokens).logits[0, {last}]\n"
+        f"after = backend.forward(model, changed_tokens).logits[0, {last}]\n"
+        "# the rule: the last row moves when the first keys change\n"
+        "print((before != after).any())"
+    )
+    check = judge.on(Case(LONG_CONFIG, LONG_SEED, tokens, call=call, variant="varied"))
+    model = backend.build(LONG_CONFIG, parameters)
+    rows = [np.asarray(backend.forward(model, ids).logits) for ids in (tokens, changed)]
+    shape = (1, LONG_CONFIG.context, LONG_CONFIG.vocabulary_size)
+    for logits in rows:
+        check.check(logits.shape == shape, "logits shape", list(logits.shape), list(shape))
+    before, after = (logits[0, last] for logits in rows)
+    changed_keys = f"tokens 0-{FAR_KEYS - 1} set to {FAR_TOKEN}"
+    check.finite(f"logit row {last}", before)
+    check.finite(f"logit row {last} with {changed_keys}", after)
+    check.check(
+        bool(np.any(before != after)),
+        f"logit row {last} with {changed_keys}",
+        "bitwise unchanged",
+        f"changed (the float64 reference's row moves by about 1): a row of {LONG_CONFIG.context} "
+        f"positions that does not see the keys {last - FAR_KEYS + 1} or more positions back "
+        "is an attention window of at most 4096 keys (a sliding_window carried over from "
+        "Mistral), or a cache that keeps only the last 4096 positions",
+    )
 
 
 @pytest.mark.rule("BATCH-INDEPENDENCE")

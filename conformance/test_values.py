@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given
 
 from conformance.adapter import Backend, Capability, FloatArray
-from conformance.cases import DEEP_BLOCKS, Scenario, large_scales, scenarios, score_scale
+from conformance.cases import DEEP_BLOCKS, IdArray, Scenario, large_scales, scenarios, score_scale
 from conformance.checks import Case, Judge
 from conformance.conditioning import case_bounds, fixed_case_logits_bound
 from conformance.layouts import ROTATED, from_rotate_half, loaded_in_text_order
@@ -20,7 +20,7 @@ from spec.parameters import EMBEDDING_NAME
 from spec.published import PUBLISHED_LOGITS, PUBLISHED_LOSS, PUBLISHED_STAGES
 from spec.recipe import initial_parameters
 from spec.tolerances import Precision, Tolerance, ToleranceModel, scaled_error
-from spec.variants import LOUD_SCALE, scenario_parameters
+from spec.variants import LOUD_SCALE, ParameterList, scenario_parameters
 
 ORACLE_DIGITS = 40  # far beyond float64; fewer digits than the default keep the suite quick
 
@@ -490,6 +490,14 @@ LONG_SEED = 4096
 LONG_ROWS = (0, 1, 1023, 2047, 2048, 3001, 4000, 4095, 4096, 4607)
 
 
+def long_inputs() -> tuple[IdArray, ParameterList]:
+    """The long sequence's ``[1, 4608]`` tokens and its model's parameters (gains other
+    than 1)."""
+    rng = np.random.Generator(np.random.PCG64(LONG_SEED))
+    tokens = rng.integers(0, LONG_CONFIG.vocabulary_size, size=(1, LONG_CONFIG.context))
+    return tokens, scenario_parameters(LONG_CONFIG, LONG_SEED, "varied")
+
+
 @pytest.mark.rule("VALUE-LONG-CONTEXT")
 def test_long_sequences_match_the_oracle_at_sampled_rows(
     backend: Backend, judge: Judge, tolerance: ToleranceModel
@@ -497,9 +505,7 @@ def test_long_sequences_match_the_oracle_at_sampled_rows(
     """Rows past 2048 and 4096 expose capped or wrapped positions and windows of keys; a
     float32 RoPE table in a float64 backend is off by ~1e-6 there, a million times the float64
     tolerance."""
-    rng = np.random.Generator(np.random.PCG64(LONG_SEED))
-    tokens = rng.integers(0, LONG_CONFIG.vocabulary_size, size=(1, LONG_CONFIG.context))
-    parameters = scenario_parameters(LONG_CONFIG, LONG_SEED, "varied")
+    tokens, parameters = long_inputs()
     case = Case(
         LONG_CONFIG,
         LONG_SEED,

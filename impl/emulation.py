@@ -67,7 +67,7 @@ class EmulatedResult:
 class EmulatedModel:
     """A decoder over ``reference``'s parameters, computed in ``precision``."""
 
-    # What a variant (a precision mutant) may replace: the arithmetic, and two roundings.
+    # What a variant (a mutant) may replace: the arithmetic, two roundings, the keys hidden.
     arithmetic_class: type[Arithmetic] = Arithmetic
 
     def _round_scores(self, values: npt.ArrayLike) -> Array:
@@ -77,6 +77,10 @@ class EmulatedModel:
     def _round_normalized(self, values: Array) -> Array:
         """How RMSNorm's normalized rows are held before the gain multiplies them."""
         return values
+
+    def _hidden_keys(self, tokens: int) -> npt.NDArray[np.bool_]:
+        """``[T, T]``: True where a query may not see a key (the keys after it)."""
+        return np.triu(np.ones((tokens, tokens), dtype=bool), k=1)
 
     def __init__(self, reference: DecoderModel, precision: Precision | str) -> None:
         self.reference = reference
@@ -182,7 +186,7 @@ class EmulatedModel:
         ar, q = self.arithmetic, self.arithmetic.q
         tokens, head_width = query.shape[-2:]
         root = math.sqrt(head_width)
-        future = np.triu(np.ones((tokens, tokens), dtype=bool), k=1)
+        future = self._hidden_keys(tokens)
         r = self._round_scores
         scores = r(ar.product(query.value, np.swapaxes(key.value, -1, -2)) / root)
         masked = np.where(future, -np.inf, scores)

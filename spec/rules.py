@@ -114,6 +114,7 @@ RULES: tuple[Rule, ...] = (
     Rule("TIE-OUTPUT-ROLE", "The table's gradient includes the output role (rows never looked up receive it); a head that merely copies the table is not tied.", C.TYING, _ROLES, needs=(K.GRADIENTS, K.STAGES,)),
     Rule("CAUSAL-PREFIX-BITWISE", "Changing only token t leaves every logit row before t bitwise unchanged (full-length runs).", C.CAUSALITY, _ANSWERS),
     Rule("CAUSAL-POSITION-CHANGES", "Changing token t changes logit row t.", C.CAUSALITY, _EVIDENCE),
+    Rule("CAUSAL-LONG-REACH", "At 4608 positions in one block, setting tokens 0-511 to another token changes logit row 4607: the last row sees every earlier key.", C.CAUSALITY, f"{_LAYER} (causal attention: every position up to its own); project rule: an attention window carried over from another model (Mistral's 4096 keys) hides the first keys from rows past it, at any precision, where a 16-bit bound at 4608 positions is too wide to see it"),
     Rule("BATCH-INDEPENDENCE", "A sequence's logits do not depend on the other sequences in its batch.", C.BATCH, _FORMULA),
     Rule("DEPTH-ZERO-FORMULA", "With no blocks the logits are RMSNorm(E[z]) E^T.", C.DEPTH, _FORMULA),
     Rule("DET-REPLAY", "The same configuration and seed give bitwise identical parameters and logits.", C.DETERMINISM, _EVIDENCE, needs=(K.SEEDED_INIT,)),

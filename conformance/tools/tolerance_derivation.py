@@ -308,12 +308,11 @@ def calibrated_cases(precision: Precision) -> dict[str, dict[str, float]]:
     reference is the exact there) nor the ``large`` variant (judged at its terms' scales)."""
     if precision is Precision.FLOAT64:
         return {}
-    from conformance.test_values import LONG_CONFIG, LONG_ROWS, LONG_SEED
+    from conformance.test_values import LONG_CONFIG, LONG_ROWS, LONG_SEED, long_inputs
     from spec.golden import GOLDEN_CASES
 
     unit = number_format(precision).unit_roundoff
-    rng = np.random.Generator(np.random.PCG64(LONG_SEED))
-    long_tokens = rng.integers(0, LONG_CONFIG.vocabulary_size, size=(1, LONG_CONFIG.context))
+    long_tokens, _ = long_inputs()
     fixed: list[tuple[str, DerivationCase, tuple[int, ...] | None]] = [
         (
             "long-context",

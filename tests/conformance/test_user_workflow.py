@@ -290,8 +290,8 @@ def test_a_skips_file_keeps_listed_tests_from_running(tmp_path: Path) -> None:
 
 
 def test_a_run_stops_at_the_first_failure_of_a_chosen_category() -> None:
-    """The mutant fails CAUSAL-PREFIX-BITWISE and VALUE-STAGES; CAUSAL-POSITION-CHANGES and
-    BATCH-INDEPENDENCE, between them, pass."""
+    """The mutant fails CAUSAL-PREFIX-BITWISE and VALUE-STAGES; CAUSAL-POSITION-CHANGES,
+    CAUSAL-LONG-REACH and BATCH-INDEPENDENCE, between them, pass."""
     mutant = "conformance.tools.mutants.numerics:MaskSeesNextToken"
     chosen = ["TIE-*", "CAUSAL-*", "BATCH-*", "VALUE-STAGES"]
 
@@ -307,7 +307,7 @@ def test_a_run_stops_at_the_first_failure_of_a_chosen_category() -> None:
     # A failure of another category does not stop the run.
     assert ran(["values", "golden"]) == {
         **before, "CAUSAL-PREFIX-BITWISE": "failed", "CAUSAL-POSITION-CHANGES": "passed",
-        "BATCH-INDEPENDENCE": "passed", "VALUE-STAGES": "failed",
+        "CAUSAL-LONG-REACH": "passed", "BATCH-INDEPENDENCE": "passed", "VALUE-STAGES": "failed",
     }  # fmt: skip
     with pytest.raises(ValueError, match="needs workers=0"):
         run_suite(mutant, profile="ci", stop_on_categories=["values"], workers=2)

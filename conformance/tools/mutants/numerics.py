@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import numpy.typing as npt
 
+from conformance.adapters.emulated import EmulatedBackend
 from conformance.tools.mutants import composed as c
 from conformance.tools.mutants.base import MutantBackend, model_with, mutant
 from impl import ops
+from impl.emulation import EmulatedModel
 from impl.layers import (
     CausalSelfAttention,
     DecoderBlock,
@@ -18,6 +21,7 @@ from impl.layers import (
     SwiGLU,
 )
 from impl.tape import Tensor
+from spec.formats import Precision
 from spec.rules import RuleCategory
 
 
@@ -76,12 +80,30 @@ class _WindowOfKeys(c.ComposedAttention):
         return c.masked_softmax(scores, blocked, -math.inf)
 
 
-@mutant("VALUE-LONG-CONTEXT")
+@mutant("CAUSAL-LONG-REACH")
 class AttentionSlidingWindow(MutantBackend):
     """Each position attends to the last 4096 keys only (a sliding window carried over from
     Mistral): the same as full attention on every sequence of up to 4096 tokens."""
 
     model_class = model_with("WindowOfKeys", attention_class=_WindowOfKeys)
+
+
+class _EmulatedWindowOfKeys(EmulatedModel):
+    def _hidden_keys(self, tokens: int) -> npt.NDArray[np.bool_]:
+        too_old = np.tril(np.ones((tokens, tokens), dtype=bool), k=-_WINDOW)
+        return super()._hidden_keys(tokens) | too_old
+
+
+@mutant("CAUSAL-LONG-REACH")
+class AttentionWindowInBfloat16(EmulatedBackend):
+    """A bfloat16 backend whose positions attend to the last 4096 keys only (Mistral's window).
+
+    Not a precision bug, but one only a precision-free rule sees: at 4608 positions the
+    dropped keys move row 4607 by 0.055 of its scale, under the bfloat16 bound there (0.99).
+    """
+
+    precision = Precision.BFLOAT16
+    emulation_class = _EmulatedWindowOfKeys
 
 
 class _SoftmaxWithoutRowMaximum(c.ComposedAttention):
