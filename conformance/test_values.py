@@ -75,6 +75,29 @@ LOUD_ROWS = Scenario(
 )
 
 
+# One sequence of one token, the shape of every step an engine decodes: matrix-vector
+# products and a softmax over one key, paths many engines take only there. The drawn cases of
+# these two rules run whole contexts, so a port whose single-token path was wrong (a probe
+# returning the values without the output projection at one token) was seen only by rules
+# about other things: VALUE-LARGE-LOGITS, VALUE-LARGE-SCORES and GRAD-ORACLE.
+SINGLE_TOKEN = Scenario(
+    DecoderConfig(13, 12, 3, 10, 2, 8),
+    seed=1,
+    tokens=np.array([[11]]),
+    targets=np.array([[5]]),
+    variant="varied",
+)
+
+SINGLE_TOKEN_HINT = (
+    "this case is one sequence of one token, the shape of a decoding step: look at the "
+    "single-token path (matrix-vector products, a softmax over one key)"
+)
+
+
+def _shape_hint(scenario: Scenario) -> str:
+    return SINGLE_TOKEN_HINT if scenario.tokens.shape == (1, 1) else ""
+
+
 LOUD_HINT = (
     f"this case's residual rows have RMS in the hundreds (the table x {LOUD_SCALE:g}), as a "
     "trained model's do: square and average them in float32 in every RMSNorm, as "
@@ -89,6 +112,7 @@ LOUD_HINT = (
 @example(scenario=SMALL_BASE)
 @example(scenario=TINY_ROWS)
 @example(scenario=DEEP_BLOCKS)
+@example(scenario=SINGLE_TOKEN)
 def test_every_stage_matches_the_oracle(
     backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
 ) -> None:
@@ -103,7 +127,9 @@ def test_every_stage_matches_the_oracle(
         _oracle(scenario)[0],
         bound,
         hint=lambda value, exact: (
-            "" if Judge.within(value, exact, bound) else _hint(scenario, got, bound)
+            ""
+            if Judge.within(value, exact, bound)
+            else _hint(scenario, got, bound) or _shape_hint(scenario)
         ),
     )
 
@@ -131,6 +157,7 @@ def _hint(scenario: Scenario, got: dict[str, FloatArray], tolerance: float) -> s
 @example(scenario=SMALL_BASE)
 @example(scenario=TINY_ROWS)
 @example(scenario=LOUD_ROWS)
+@example(scenario=SINGLE_TOKEN)
 def test_logits_and_loss_match_the_oracle(
     backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
 ) -> None:
@@ -139,7 +166,7 @@ def test_logits_and_loss_match_the_oracle(
     bound = case_bounds(tolerance, scenario)
     model = scenario.build(backend)
     _, logits, loss = _oracle(scenario)
-    hint = LOUD_HINT if scenario.variant == "loud" else ""
+    hint = LOUD_HINT if scenario.variant == "loud" else _shape_hint(scenario)
     check = judge.on(scenario.case())
     got_logits = backend.forward(model, scenario.tokens).logits
     check.close("logits", got_logits, logits, bound.logits, hint=hint)

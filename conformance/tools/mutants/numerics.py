@@ -106,6 +106,24 @@ class AttentionWindowInBfloat16(EmulatedBackend):
     emulation_class = _EmulatedWindowOfKeys
 
 
+class _OneTokenShortcut(CausalSelfAttention):
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-2] == 1:
+            return self.value.forward(x)
+        return super().forward(x)
+
+
+@mutant("VALUE-STAGES")
+class SingleTokenSkipsOutputProjection(MutantBackend):
+    """At one token, attention returns its values without the output projection.
+
+    A decoding shortcut: the softmax over one key is 1, so the attention is the values, but
+    they still go through the output projection. Right on every longer sequence.
+    """
+
+    model_class = model_with("OneTokenShortcut", attention_class=_OneTokenShortcut)
+
+
 class _SoftmaxWithoutRowMaximum(c.ComposedAttention):
     def weights(self, scores: Tensor) -> Tensor:
         blocked = c.future_mask(scores.shape[-1])
