@@ -87,15 +87,24 @@ SINGLE_TOKEN = Scenario(
     targets=np.array([[5]]),
     variant="varied",
 )
+# Three sequences of one token each: a batched decoding step, where a path that mixes up the
+# sequences (each given the first one's attention, in a probe) passed every rule.
+ONE_TOKEN_EACH = Scenario(
+    SINGLE_TOKEN.config,
+    seed=1,
+    tokens=np.array([[11], [4], [7]]),
+    targets=np.array([[5], [0], [12]]),
+    variant="varied",
+)
 
 SINGLE_TOKEN_HINT = (
-    "this case is one sequence of one token, the shape of a decoding step: look at the "
+    "this case's sequences are one token each, the shape of a decoding step: look at the "
     "single-token path (matrix-vector products, a softmax over one key)"
 )
 
 
 def _shape_hint(scenario: Scenario) -> str:
-    return SINGLE_TOKEN_HINT if scenario.tokens.shape == (1, 1) else ""
+    return SINGLE_TOKEN_HINT if scenario.tokens.shape[1] == 1 else ""
 
 
 LOUD_HINT = (
@@ -113,6 +122,7 @@ LOUD_HINT = (
 @example(scenario=TINY_ROWS)
 @example(scenario=DEEP_BLOCKS)
 @example(scenario=SINGLE_TOKEN)
+@example(scenario=ONE_TOKEN_EACH)
 def test_every_stage_matches_the_oracle(
     backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
 ) -> None:
@@ -158,6 +168,7 @@ def _hint(scenario: Scenario, got: dict[str, FloatArray], tolerance: float) -> s
 @example(scenario=TINY_ROWS)
 @example(scenario=LOUD_ROWS)
 @example(scenario=SINGLE_TOKEN)
+@example(scenario=ONE_TOKEN_EACH)
 def test_logits_and_loss_match_the_oracle(
     backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
 ) -> None:

@@ -20,7 +20,7 @@ from impl.layers import (
     RotaryEmbedding,
     SwiGLU,
 )
-from impl.tape import Tensor
+from impl.tape import Array, Tensor
 from spec.formats import Precision
 from spec.rules import RuleCategory
 
@@ -122,6 +122,32 @@ class SingleTokenSkipsOutputProjection(MutantBackend):
     """
 
     model_class = model_with("OneTokenShortcut", attention_class=_OneTokenShortcut)
+
+
+class _OneTokenEachSharesTheFirst(CausalSelfAttention):
+    def forward(self, x: Tensor) -> Tensor:
+        attended = super().forward(x)
+        if x.shape[-2] != 1 or x.shape[0] == 1:
+            return attended
+
+        def vjp(g: Array) -> tuple[Array]:
+            first = np.zeros_like(g)
+            first[:1] = g.sum(axis=0, keepdims=True)
+            return (first,)
+
+        shared = np.broadcast_to(attended.value[:1], attended.shape).copy()
+        return Tensor.from_operation(shared, (attended,), vjp, "first_sequence_for_all")
+
+
+@mutant("VALUE-STAGES")
+class BatchedSingleTokensShareTheFirstAttention(MutantBackend):
+    """With several sequences of one token each, every sequence gets the first one's attention.
+
+    A batched decoding path that reads one sequence's slot for all; right whenever a batch
+    holds one sequence or sequences of two tokens or more.
+    """
+
+    model_class = model_with("OneTokenEach", attention_class=_OneTokenEachSharesTheFirst)
 
 
 class _SoftmaxWithoutRowMaximum(c.ComposedAttention):
