@@ -99,11 +99,17 @@ FAR_KEYS = 512
 FAR_TOKEN = 4
 
 
+def far_keys_changed(tokens: IdArray) -> IdArray:
+    """``tokens`` with the first FAR_KEYS of every sequence set to FAR_TOKEN."""
+    changed = tokens.copy()
+    changed[:, :FAR_KEYS] = FAR_TOKEN
+    return changed
+
+
 @pytest.mark.rule("CAUSAL-LONG-REACH")
 def test_the_last_row_sees_the_first_keys(backend: Backend, judge: Judge) -> None:
     tokens, parameters = long_inputs()
-    changed = tokens.copy()
-    changed[:, :FAR_KEYS] = FAR_TOKEN
+    changed = far_keys_changed(tokens)
     last = LONG_CONFIG.context - 1
     call = (
         "changed_tokens = tokens.copy()\n"

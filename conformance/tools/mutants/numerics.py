@@ -72,12 +72,14 @@ class MaskWithFiniteFill(MutantBackend):
 _WINDOW = 4096  # Mistral 7B's sliding window, and Llama 2's context
 
 
+def _future_or_too_old(length: int) -> npt.NDArray[np.bool_]:
+    """``[T, T]``: True for the keys after a query and those _WINDOW or more positions back."""
+    return c.future_mask(length) | ~c.future_mask(length, 1 - _WINDOW)
+
+
 class _WindowOfKeys(c.ComposedAttention):
     def weights(self, scores: Tensor) -> Tensor:
-        length = scores.shape[-1]
-        too_old = ~c.future_mask(length, 1 - _WINDOW)  # keys _WINDOW or more positions back
-        blocked = c.future_mask(length) | too_old
-        return c.masked_softmax(scores, blocked, -math.inf)
+        return c.masked_softmax(scores, _future_or_too_old(scores.shape[-1]), -math.inf)
 
 
 @mutant("CAUSAL-LONG-REACH")
@@ -90,8 +92,7 @@ class AttentionSlidingWindow(MutantBackend):
 
 class _EmulatedWindowOfKeys(EmulatedModel):
     def _hidden_keys(self, tokens: int) -> npt.NDArray[np.bool_]:
-        too_old = np.tril(np.ones((tokens, tokens), dtype=bool), k=-_WINDOW)
-        return super()._hidden_keys(tokens) | too_old
+        return _future_or_too_old(tokens)
 
 
 @mutant("CAUSAL-LONG-REACH")
