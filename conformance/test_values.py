@@ -516,20 +516,23 @@ def test_large_gate_inputs_keep_values_and_gradients_finite_and_exact(
     )
 
 
-# One block over 4608 positions: the oracle computes the keys and values of the whole prefix
+# One block over 4715 positions: the oracle computes the keys and values of the whole prefix
 # and attends for the sampled rows only (spec.oracle.oracle_rows); head width 8 gives four
 # RoPE frequencies, down to base^(-3/4). Past 4096 (Llama 2's context, Mistral's attention
 # window): a RoPE table of 4096 positions wraps or caps at row 4096, and a window of 4096
-# keys drops the first 512 from row 4607.
+# keys drops the first 619 from the last row. 4715 is odd: every tile of 2 to 4096 queries
+# or keys, and every prefill chunk of such a length, ends in a partial one (107 rows from 4608
+# on for tiles of 128 to 512), the path a kernel right on whole tiles gets wrong; rows 4607
+# and 4608 straddle that edge.
 LONG_CONFIG = DecoderConfig(
-    vocabulary_size=7, model_width=8, heads=1, feed_forward_width=8, layers=1, context=4608
+    vocabulary_size=7, model_width=8, heads=1, feed_forward_width=8, layers=1, context=4715
 )
 LONG_SEED = 4096
-LONG_ROWS = (0, 1, 1023, 2047, 2048, 3001, 4000, 4095, 4096, 4607)
+LONG_ROWS = (0, 1, 1023, 2047, 2048, 3001, 4000, 4095, 4096, 4607, 4608, 4714)
 
 
 def long_inputs() -> tuple[IdArray, ParameterList]:
-    """The long sequence's ``[1, 4608]`` tokens and its model's parameters (gains other
+    """The long sequence's ``[1, 4715]`` tokens and its model's parameters (gains other
     than 1)."""
     rng = np.random.Generator(np.random.PCG64(LONG_SEED))
     tokens = rng.integers(0, LONG_CONFIG.vocabulary_size, size=(1, LONG_CONFIG.context))
@@ -540,9 +543,9 @@ def long_inputs() -> tuple[IdArray, ParameterList]:
 def test_long_sequences_match_the_oracle_at_sampled_rows(
     backend: Backend, judge: Judge, tolerance: ToleranceModel
 ) -> None:
-    """Rows past 2048 and 4096 expose capped or wrapped positions and windows of keys; a
-    float32 RoPE table in a float64 backend is off by ~1e-6 there, a million times the float64
-    tolerance."""
+    """Rows past 2048 and 4096 expose capped or wrapped positions and windows of keys, the
+    last rows a partial tile or chunk; a float32 RoPE table in a float64 backend is off by
+    ~1e-6 there, a million times the float64 tolerance."""
     tokens, parameters = long_inputs()
     case = Case(
         LONG_CONFIG,
@@ -574,6 +577,8 @@ def test_long_sequences_match_the_oracle_at_sampled_rows(
 
 # Lengths at which a table, a cache or an attention window ported from another model ends.
 _LONG_EDGES = (4096, 2048)
+# Where the long sequence's partial last tile starts for tiles of 128, 256 and 512 positions.
+_PARTIAL_TILE_START = 4608
 
 
 def long_rows_hint(off: list[int]) -> str:
@@ -590,4 +595,13 @@ def long_rows_hint(off: list[int]) -> str:
                 "positions ends there (a RoPE table wrapped or capped, a cache, an attention "
                 "window)"
             )
+    if min(off) >= _PARTIAL_TILE_START:
+        tail = LONG_CONFIG.context - _PARTIAL_TILE_START
+        return (
+            f"{told}, none before {_PARTIAL_TILE_START}: {LONG_CONFIG.context} positions end "
+            f"in a partial tile ({_PARTIAL_TILE_START} + {tail} for tiles of 128, 256 or 512), "
+            "where a kernel or a prefill chunk right on whole tiles goes wrong on the last, "
+            "shorter one; or the last row lost its first keys (an attention window: see "
+            "CAUSAL-LONG-REACH)"
+        )
     return told
