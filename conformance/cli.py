@@ -60,7 +60,8 @@ def _add_run_commands(commands: Any) -> None:
         default=[],
         metavar="NAME",
         help="with --profile scale: check this shape (repeatable; smollm2-135m, long-context, "
-        "wide-vocabulary and wide-heads by default; smoke and large-ids take seconds)",
+        "wide-vocabulary and wide-heads by default; smoke, large-ids and odd-widths take "
+        "seconds)",
     )
     run.add_argument(
         "--rule",

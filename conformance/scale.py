@@ -12,20 +12,36 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 
-from conformance.adapter import Backend, FloatArray, ForwardOutput, LossOutput
-from conformance.checks import Case
+from conformance.adapter import Backend, Capability, FloatArray, ForwardOutput, LossOutput
+from conformance.checks import Case, Judge, describe_positions, off_at_each_position
 from conformance.guard import AdapterFault
 from conformance.heap import return_freed_memory
 from spec.scale import ScaleShape, scale_shape
 from spec.tolerances import MissingScaleBound, Tolerance, scale_tolerance
 from spec.variants import scenario_parameters
 
-__all__ = ["ReferenceRun", "ShapeRuns", "runs_at", "shape_bound"]
+__all__ = [
+    "POSITION_TILE",
+    "ReferenceRun",
+    "ShapeRuns",
+    "check_against_the_reference",
+    "pattern_advice",
+    "runs_at",
+    "shape_bound",
+]
+
+POSITION_TILE = 64  # the position tile engines' attention kernels commonly use
+
+# What the pattern of positions off says, for a shape's rule: ``True`` where off.
+PositionAdvice = Callable[[npt.NDArray[np.bool_]], str]
 
 
 @dataclass
@@ -164,3 +180,61 @@ def runs_at(name: str, backend: Backend) -> ShapeRuns:
     runs = ShapeRuns(shape, backend, tokens, targets)
     _HELD.append(runs)
     return runs
+
+
+def check_against_the_reference(
+    backend: Backend, judge: Judge, name: str, advice: PositionAdvice
+) -> None:
+    """Shape ``name``'s stages, logits, loss and gradients (those the backend has) against the
+    float64 reference at the shape's bound for the backend's precision. A failing stage or
+    logits says which positions are off, and ``advice`` what their pattern points at."""
+    bound = shape_bound(backend, name)
+    runs = runs_at(name, backend)  # the reference runs first: its activations go first
+
+    def hint(tolerance: float) -> Callable[[npt.ArrayLike, npt.ArrayLike], str]:
+        def told(got: npt.ArrayLike, exact: npt.ArrayLike) -> str:
+            flagged = off_at_each_position(got, exact, tolerance)
+            if flagged is None or not flagged.any():
+                return ""
+            return f"{describe_positions(flagged)}; {advice(flagged)}"
+
+        return told
+
+    reference = runs.reference()
+    output = runs.forward()
+    check = judge.on(runs.case())
+    if output.stages is not None:
+        check.close_each(
+            "stage", dict(output.stages), reference.stages, bound.stages, hint=hint(bound.stages)
+        )
+    check.close(
+        "logits",
+        output.logits,
+        reference.logits,
+        bound.logits,
+        hint=lambda: hint(bound.logits)(output.logits, reference.logits),
+    )
+    result = runs.loss()
+    check = judge.on(runs.case("backend.loss(model, tokens, targets)"))
+    check.close("loss", result.loss, reference.loss, bound.loss)
+    if Capability.GRADIENTS in backend.capabilities:
+        check.close_each(
+            "gradient of", result.gradients, reference.gradients.items(), bound.gradients
+        )
+
+
+def pattern_advice(flagged: npt.NDArray[np.bool_], *, rope: str, otherwise: str) -> str:
+    """What a pattern of positions off (``True`` where off) points at: RoPE when only position
+    0 (angle 0, attending to itself alone) is right, a tile when only positions past the
+    first tile are off, else ``otherwise``; ``rope`` says what to look for in RoPE."""
+    if not flagged[0] and flagged[1:].all():
+        return (
+            "position 0 is right and every later one off: position 0 attends to itself alone, "
+            f"at RoPE angle 0, so look at RoPE {rope}"
+        )
+    if flagged.size > POSITION_TILE and not flagged[:POSITION_TILE].any():
+        return (
+            f"only positions from {POSITION_TILE} on are off: look for a tile of "
+            f"{POSITION_TILE} positions (its last, partial block)"
+        )
+    return otherwise

@@ -13,76 +13,31 @@ profile's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import numpy.typing as npt
 import pytest
 
-from conformance.adapter import Backend, Capability
-from conformance.checks import Judge, describe_positions, off_at_each_position
-from conformance.scale import runs_at, shape_bound
+from conformance.adapter import Backend
+from conformance.checks import Judge
+from conformance.scale import POSITION_TILE, check_against_the_reference, pattern_advice
 
 SHAPE_NAME = "wide-heads"
-TILE = 64  # the position tile engines' attention kernels commonly use
+TILE = POSITION_TILE
 
 
 def advice(flagged: npt.NDArray[np.bool_]) -> str:
     """What the pattern of positions off (``True`` where off) points at."""
-    if not flagged[0] and flagged[1:].all():
-        return (
-            "position 0 is right and every later one off: position 0 attends to itself alone, "
-            "at RoPE angle 0, so look at RoPE (over only part of a head of 128?) and the "
-            "attention weights"
-        )
-    if flagged.size > TILE and not flagged[:TILE].any():
-        return (
-            f"only positions from {TILE} on are off: look for a tile of {TILE} positions "
-            "(its last, partial block)"
-        )
-    return (
-        "no other value rule sends heads wider than 8 or widths past 32: where VALUE-STAGES "
-        "passes, look for code that depends on them (RoPE over part of a head, a kernel "
-        "chosen for wide heads)"
+    return pattern_advice(
+        flagged,
+        rope="(over only part of a head of 128?) and the attention weights",
+        otherwise="no other value rule sends heads wider than 8 or widths past 32: where "
+        "VALUE-STAGES passes, look for code that depends on them (RoPE over part of a head, a "
+        "kernel chosen for wide heads)",
     )
-
-
-def _hint(tolerance: float) -> Callable[[npt.ArrayLike, npt.ArrayLike], str]:
-    def hint(got: npt.ArrayLike, exact: npt.ArrayLike) -> str:
-        flagged = off_at_each_position(got, exact, tolerance)
-        if flagged is None or not flagged.any():
-            return ""
-        return f"{describe_positions(flagged)}; {advice(flagged)}"
-
-    return hint
 
 
 @pytest.mark.rule("VALUE-WIDE-HEADS")
 def test_wide_heads_match_the_reference(backend: Backend, judge: Judge) -> None:
     """Stages, logits, loss and gradients with heads of width 128 over 80 positions against
     the float64 reference."""
-    bound = shape_bound(backend, SHAPE_NAME)
-    runs = runs_at(SHAPE_NAME, backend)  # the reference runs first: its activations go first
-    reference = runs.reference()
-
-    output = runs.forward()
-    check = judge.on(runs.case())
-    if output.stages is not None:
-        check.close_each(
-            "stage", dict(output.stages), reference.stages, bound.stages, hint=_hint(bound.stages)
-        )
-    check.close(
-        "logits",
-        output.logits,
-        reference.logits,
-        bound.logits,
-        hint=lambda: _hint(bound.logits)(output.logits, reference.logits),
-    )
-
-    result = runs.loss()
-    check = judge.on(runs.case("backend.loss(model, tokens, targets)"))
-    check.close("loss", result.loss, reference.loss, bound.loss)
-    if Capability.GRADIENTS in backend.capabilities:
-        check.close_each(
-            "gradient of", result.gradients, reference.gradients.items(), bound.gradients
-        )
+    check_against_the_reference(backend, judge, SHAPE_NAME, advice)

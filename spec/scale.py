@@ -11,7 +11,8 @@ Every shape is a function of its fields alone: the parameters are the recipe's f
 ``(config, seed)`` (Xavier-uniform matrices, gains 1), and the tokens and targets are drawn
 from ``PCG64(seed)`` (but ``large-ids``, which VALUE-LARGE-IDS judges at every profile but
 ``scale``: one block, the ``spread`` variant's table, chosen IDs). VALUE-WIDE-HEADS judges
-``wide-heads`` at those profiles too (no generated head is wider than 8). Not the
+``wide-heads`` at those profiles too (no generated head is wider than 8), and VALUE-ODD-WIDTHS
+``odd-widths`` (no generated width is past 32). Not the
 ``varied`` variant the generated cases also use: its rescaled matrices and gains compound over
 30 blocks, and measured at SmolLM2-135M's shape they made the emulation's worst float32 stage
 error 115 times and its bfloat16 one 44 times the recipe's, so that a 16-bit backend's values
@@ -107,6 +108,14 @@ SCALE_SHAPES: dict[str, ScaleShape] = {shape.name: shape for shape in (
         batch=2, positions=80, seed=128,
         about="two heads of width 128 over 80 positions: the head width of most real models, "
         "where engines switch to kernels specialized for it, past a 64-position tile",
+    ),
+    ScaleShape(
+        "odd-widths",
+        DecoderConfig(131, 210, 3, 333, 1, 67),
+        batch=2, positions=67, seed=210,
+        about="every size past a tile of 64 and none a multiple of 4: heads of 70 (35 RoPE "
+        "pairs), width 210, SwiGLU 333, vocabulary 131, 67 positions, where a vectorized "
+        "loop or a tile over any of them ends in a partial group (VALUE-ODD-WIDTHS)",
     ),
     ScaleShape(
         "smoke",

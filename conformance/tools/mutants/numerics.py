@@ -269,6 +269,48 @@ class RopeRotatesAtMostSixtyFourFeatures(MutantBackend):
     model_class = model_with("RotaryOfSixtyFourFeatures", rope_class=_RotaryOfSixtyFourFeatures)
 
 
+# A vectorized loop's group: lanes of features, or RoPE pairs, handled a group at a time.
+_GROUP = 32
+_PAIR_GROUP = 16
+
+
+class _PairsInWholeGroups(RotaryEmbedding):
+    def __init__(self, head_width: int, base: float) -> None:
+        super().__init__(head_width, base)
+        pairs = head_width // 2
+        if pairs > _PAIR_GROUP:
+            # angle 0 for the pairs past the last whole group: left as they are
+            self.inverse_frequency[_PAIR_GROUP * (pairs // _PAIR_GROUP) :] = 0.0
+
+
+@mutant("VALUE-ODD-WIDTHS")
+class RopeSkipsTheLastPartialGroupOfPairs(MutantBackend):
+    """RoPE rotates pairs in groups of 16 and leaves a last, partial group as it is (heads
+    wider than 32); every generated head has at most 4 pairs, the wide heads 64."""
+
+    model_class = model_with("PairsInWholeGroups", rope_class=_PairsInWholeGroups)
+
+
+class _SquaresInWholeLanes(RMSNorm):
+    def forward(self, x: Tensor) -> Tensor:
+        width = x.shape[-1]
+        if width <= _GROUP:  # narrow rows take the plain loop
+            return super().forward(x)
+        summed = np.zeros(width)
+        summed[: _GROUP * (width // _GROUP)] = 1.0  # the remainder's squares never added
+        mean_square = c.mean(c.mul(c.mul(x, Tensor(summed)), x), axis=-1)
+        inverse = c.exp(c.scale(c.log(c.shift(mean_square, self.epsilon)), -0.5))
+        return c.mul(c.mul(x, inverse), self.gain.tensor)
+
+
+@mutant("VALUE-ODD-WIDTHS")
+class RmsNormSumsWholeLanesOnly(MutantBackend):
+    """RMSNorm sums its squares in lanes of 32 and drops the last, partial group (rows wider
+    than 32); every generated row is at most 32 wide, the wide heads' 256."""
+
+    model_class = model_with("SquaresInWholeLanes", norm_class=_SquaresInWholeLanes)
+
+
 class _RopeOnValues(CausalSelfAttention):
     def forward(self, x: Tensor) -> Tensor:
         query = self.rope.forward(self.split_heads(self.query.forward(x)))
