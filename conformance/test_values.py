@@ -219,6 +219,17 @@ def test_logits_of_twelve_blocks_run_in_their_order(
     )
 
 
+def _mean_nll(logits: npt.ArrayLike, targets: IdArray, vocabulary: int) -> float:
+    """The mean over rows of ``log sum exp(row) - row[target]``, at the oracle's precision."""
+    with precision(ORACLE_DIGITS):
+        rows = to_mp(logits).reshape(-1, vocabulary)
+        terms = [
+            mpmath.log(sum(mpmath.exp(x) for x in row)) - row[target]
+            for row, target in zip(rows, targets.reshape(-1), strict=True)
+        ]
+        return float(mpmath.fsum(terms) / len(terms))
+
+
 @pytest.mark.rule("LOSS-MEAN-NLL")
 @suite_settings()
 @given(scenario=scenarios())
@@ -228,18 +239,64 @@ def test_loss_is_the_mean_indexed_nll_of_the_logits(
     """Judged against the backend's own logits, so only the loss reduction is tested."""
     model = scenario.build(backend)
     logits = backend.forward(model, scenario.tokens).logits
-    vocabulary = scenario.config.vocabulary_size
-    with precision(ORACLE_DIGITS):
-        rows = to_mp(logits).reshape(-1, vocabulary)
-        targets = scenario.targets.reshape(-1)
-        terms = [
-            mpmath.log(sum(mpmath.exp(x) for x in row)) - row[target]
-            for row, target in zip(rows, targets, strict=True)
-        ]
-        exact = float(mpmath.fsum(terms) / len(terms))
+    exact = _mean_nll(logits, scenario.targets, scenario.config.vocabulary_size)
     got = backend.loss(model, scenario.tokens, scenario.targets).loss
     judge.on(scenario.case("backend.loss(model, tokens, targets)")).close(
         "loss", got, exact, tolerance.at(scenario.config, scenario.tokens.shape[1]).loss
+    )
+
+
+# Chunk lengths a loss over long sequences is commonly taken in, to bound its memory.
+_LOSS_CHUNKS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _chunk_hint(got: float, logits: FloatArray, targets: IdArray, bound: float) -> str:
+    """When the loss is the mean over whole chunks only, which chunk lengths leave the rest."""
+    length, vocabulary = targets.shape[1], logits.shape[-1]
+    for kept in sorted({chunk * (length // chunk) for chunk in _LOSS_CHUNKS}, reverse=True):
+        partial = _mean_nll(logits[:, :kept], targets[:, :kept], vocabulary)
+        if scaled_error(np.float64(got), np.float64(partial)) <= bound:
+            chunks = [str(c) for c in _LOSS_CHUNKS if c * (length // c) == kept]
+            return (
+                f"the loss is the mean over positions 0-{kept - 1} only: a loss taken in chunks "
+                f"of {' or '.join(chunks)} positions that leaves out the last, partial chunk"
+            )
+    return (
+        f"the loss over {length} positions is not the mean of its rows' NLL: a loss taken in "
+        "chunks that mishandles the last, partial one, or a sum over thousands of rows in low "
+        "precision"
+    )
+
+
+@pytest.mark.rule("LOSS-MEAN-NLL")
+def test_loss_over_the_long_sequence_is_the_mean_nll_of_its_logits(
+    backend: Backend, judge: Judge, tolerance: ToleranceModel
+) -> None:
+    """The long sequence (4715 positions): a loss taken in chunks past some length (1024 is
+    common) and wrong on a partial last chunk passed every rule whose sequences are short."""
+    tokens, parameters = long_inputs()
+    targets = long_targets()
+    model = backend.build(LONG_CONFIG, parameters)
+    logits = np.asarray(backend.forward(model, tokens).logits, dtype=np.float64)
+    check = judge.on(
+        Case(
+            LONG_CONFIG,
+            LONG_SEED,
+            tokens,
+            targets,
+            call="backend.loss(model, tokens, targets)",
+            variant="varied",
+        )
+    )
+    exact = _mean_nll(logits, targets, LONG_CONFIG.vocabulary_size)
+    got = backend.loss(model, tokens, targets).loss
+    bound = tolerance.at(LONG_CONFIG, LONG_CONFIG.context).loss
+    check.close(
+        "loss (the mean NLL of the backend's own logits)",
+        got,
+        exact,
+        bound,
+        hint=lambda: _chunk_hint(float(got), logits, targets, bound),
     )
 
 
@@ -529,6 +586,12 @@ LONG_CONFIG = DecoderConfig(
 )
 LONG_SEED = 4096
 LONG_ROWS = (0, 1, 1023, 2047, 2048, 3001, 4000, 4095, 4096, 4607, 4608, 4714)
+
+
+def long_targets() -> IdArray:
+    """Targets for the long sequence, ``[1, 4715]``, drawn after its tokens."""
+    rng = np.random.Generator(np.random.PCG64(LONG_SEED + 1))
+    return rng.integers(0, LONG_CONFIG.vocabulary_size, size=(1, LONG_CONFIG.context))
 
 
 def long_inputs() -> tuple[IdArray, ParameterList]:

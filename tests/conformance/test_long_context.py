@@ -96,3 +96,12 @@ def test_a_window_of_4096_keys_fails_at_every_precision(mutant: str) -> None:
     )
     assert "an attention window of at most 4096 keys" in reach.message
     assert statuses["VALUE-LONG-CONTEXT"].status == "failed"
+
+
+def test_a_loss_that_drops_a_partial_last_chunk_is_named() -> None:
+    adapter = "conformance.tools.mutants.training:LossDropsAPartialLastChunk"
+    report = run_suite(adapter, profile="ci", rules=["LOSS-MEAN-NLL"])
+    (rule,) = [rule for rule in report.rules if rule.id == "LOSS-MEAN-NLL"]
+    assert rule.status == "failed", report.output[-2000:]
+    assert "the loss is the mean over positions 0-4095 only" in rule.message
+    assert "chunks of 1024 or 2048 or 4096 positions" in rule.message

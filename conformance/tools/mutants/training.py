@@ -47,6 +47,31 @@ class LossAveragedPerSequence(MutantBackend):
         return _scaled(output, float(np.asarray(tokens).shape[0]) if np.ndim(tokens) == 2 else 1.0)
 
 
+_LOSS_CHUNK = 1024
+
+
+@mutant("LOSS-MEAN-NLL")
+class LossDropsAPartialLastChunk(MutantBackend):
+    """Past 1024 positions the loss is taken in chunks of 1024 and a partial last chunk is left
+    out of the mean (the value reported; its gradients are the full mean's, as when a fused
+    loss drives the backward pass and a chunked one the number)."""
+
+    def loss(
+        self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
+    ) -> LossOutput:
+        output = super().loss(model, tokens, targets, **detach)
+        length = np.shape(tokens)[-1] if np.ndim(tokens) == 2 else 0
+        if length <= _LOSS_CHUNK or length % _LOSS_CHUNK == 0:
+            return output
+        kept = _LOSS_CHUNK * (length // _LOSS_CHUNK)
+        logits = np.asarray(self.forward(model, tokens).logits, dtype=np.float64)[:, :kept]
+        largest = logits.max(axis=-1, keepdims=True)
+        log_sums = np.log(np.exp(logits - largest).sum(axis=-1)) + largest[..., 0]
+        chosen = np.asarray(targets, dtype=np.int64)[:, :kept, None]
+        picked = np.take_along_axis(logits, chosen, axis=-1)[..., 0]
+        return LossOutput(float(np.mean(log_sums - picked)), output.gradients)
+
+
 class _ColumnMajorInit(DecoderModel):
     @classmethod
     def initialize(cls, config: DecoderConfig, stream: SplitMix64) -> DecoderModel:
