@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -9,9 +11,9 @@ from hypothesis import strategies as st
 
 from conformance.adapter import Backend
 from conformance.cases import IdArray, Scenario, must_differ, scenarios
-from conformance.checks import Case, Judge
+from conformance.checks import Case, Judge, positions_off
 from conformance.profiles import suite_settings
-from conformance.test_values import LONG_CONFIG, LONG_SEED, long_inputs
+from conformance.test_values import LONG_CONFIG, LONG_SEED, long_inputs, long_targets
 from spec.tolerances import ToleranceModel
 
 
@@ -158,3 +160,35 @@ def test_sequences_do_not_see_each_other(
     check = judge.on(scenario.case(row=row))
     bound = tolerance.at(scenario.config, scenario.tokens.shape[1]).logits
     check.close(f"logits of sequence {row} run alone", alone[0], together[row], bound)
+
+
+@pytest.mark.rule("BATCH-INDEPENDENCE")
+def test_long_sequences_in_one_batch_do_not_see_each_other(
+    backend: Backend, judge: Judge, tolerance: ToleranceModel
+) -> None:
+    """Two sequences of 4715 positions in one batch, each against itself run alone: a batched
+    path taken only past some length (a prefill in chunks, a key/value cache indexed without
+    the sequence) is seen only where a batch holds long sequences; the drawn batches are a
+    few positions long. Bounded by the long sequence's own logits bound."""
+    tokens, parameters = long_inputs()
+    sequences = (tokens, long_targets())  # the targets serve as a second, unrelated sequence
+    batch = np.concatenate(sequences)
+    call = (
+        "together = backend.forward(model, tokens).logits  # two sequences of 4715 positions\n"
+        "alone = [backend.forward(model, tokens[i : i + 1]).logits[0] for i in range(2)]"
+    )
+    check = judge.on(Case(LONG_CONFIG, LONG_SEED, batch, call=call, variant="varied"))
+    model = backend.build(LONG_CONFIG, parameters)
+    together = np.asarray(backend.forward(model, batch).logits)
+    shape = (2, LONG_CONFIG.context, LONG_CONFIG.vocabulary_size)
+    check.check(together.shape == shape, "logits shape", list(together.shape), list(shape))
+    bound = tolerance.at(LONG_CONFIG, LONG_CONFIG.context, case="long-context").logits
+    for row, ids in enumerate(sequences):
+        alone = np.asarray(backend.forward(model, ids).logits)
+        check.close(
+            f"logits of long sequence {row} run alone",
+            alone[0],
+            together[row],
+            bound,
+            hint=functools.partial(positions_off, alone, together[row : row + 1], bound),
+        )

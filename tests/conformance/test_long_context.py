@@ -105,3 +105,11 @@ def test_a_loss_that_drops_a_partial_last_chunk_is_named() -> None:
     assert rule.status == "failed", report.output[-2000:]
     assert "the loss is the mean over positions 0-4095 only" in rule.message
     assert "chunks of 1024 or 2048 or 4096 positions" in rule.message
+
+
+def test_a_long_batch_that_shares_a_cache_fails_batch_independence() -> None:
+    adapter = "conformance.tools.mutants.numerics:LongBatchSharesTheFirstChunk"
+    report = run_suite(adapter, profile="ci", rules=["BATCH-INDEPENDENCE"])
+    (rule,) = [rule for rule in report.rules if rule.id == "BATCH-INDEPENDENCE"]
+    assert rule.status == "failed", report.output[-2000:]
+    assert rule.message.startswith("[BATCH-INDEPENDENCE] logits of long sequence 1 run alone")

@@ -109,6 +109,38 @@ class AttentionWindowInBfloat16(EmulatedBackend):
     emulation_class = _EmulatedWindowOfKeys
 
 
+_PREFILL_CHUNK = 1024
+
+
+def _first_chunk_from_sequence_zero(x: Tensor) -> Tensor:
+    """``x`` with every sequence's first chunk of positions replaced by sequence 0's."""
+    value = x.value.copy()
+    value[1:, :_PREFILL_CHUNK] = value[:1, :_PREFILL_CHUNK]
+
+    def vjp(g: Array) -> tuple[Array]:
+        grad = g.copy()
+        grad[0, :_PREFILL_CHUNK] += g[1:, :_PREFILL_CHUNK].sum(axis=0)
+        grad[1:, :_PREFILL_CHUNK] = 0.0
+        return (grad,)
+
+    return Tensor.from_operation(value, (x,), vjp, "first_chunk_from_sequence_zero")
+
+
+class _CacheWithoutSequence(CausalSelfAttention):
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] > 1 and x.shape[1] > _PREFILL_CHUNK:
+            x = _first_chunk_from_sequence_zero(x)
+        return super().forward(x)
+
+
+@mutant("BATCH-INDEPENDENCE")
+class LongBatchSharesTheFirstChunk(MutantBackend):
+    """Several sequences past 1024 positions: a prefill in chunks whose cache holds sequence 0's
+    first chunk for every sequence (a cache indexed by position, not by sequence)."""
+
+    model_class = model_with("CacheWithoutSequence", attention_class=_CacheWithoutSequence)
+
+
 class _OneTokenShortcut(CausalSelfAttention):
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-2] == 1:
