@@ -11,6 +11,7 @@ from conformance.adapter import LossOutput
 from conformance.adapters.reference import dense_gradients, refusals
 from conformance.tools.mutants import composed as c
 from conformance.tools.mutants.base import MutantBackend, model_with, mutant
+from impl import ops
 from impl.layers import RMSNorm, SwiGLU
 from impl.model import DecoderModel
 from impl.tape import Array, Tensor
@@ -65,11 +66,9 @@ class LossDropsAPartialLastChunk(MutantBackend):
             return output
         kept = _LOSS_CHUNK * (length // _LOSS_CHUNK)
         logits = np.asarray(self.forward(model, tokens).logits, dtype=np.float64)[:, :kept]
-        largest = logits.max(axis=-1, keepdims=True)
-        log_sums = np.log(np.exp(logits - largest).sum(axis=-1)) + largest[..., 0]
-        chosen = np.asarray(targets, dtype=np.int64)[:, :kept, None]
-        picked = np.take_along_axis(logits, chosen, axis=-1)[..., 0]
-        return LossOutput(float(np.mean(log_sums - picked)), output.gradients)
+        chosen = np.asarray(targets, dtype=np.intp)[:, :kept].reshape(-1)
+        loss = ops.indexed_mean_nll(Tensor(logits), chosen).value  # the reference's own rule
+        return LossOutput(float(loss), output.gradients)
 
 
 class _ColumnMajorInit(DecoderModel):
