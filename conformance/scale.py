@@ -25,7 +25,7 @@ from conformance.checks import Case, Judge, describe_positions, off_at_each_posi
 from conformance.guard import AdapterFault
 from conformance.heap import return_freed_memory
 from spec.scale import ScaleShape, scale_shape
-from spec.tolerances import MissingScaleBound, Tolerance, scale_tolerance
+from spec.tolerances import MissingScaleBound, Tolerance, scale_tolerance, scaled_error
 from spec.variants import scenario_parameters
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "ReferenceRun",
     "ShapeRuns",
     "check_against_the_reference",
+    "check_loss_and_gradients",
     "pattern_advice",
     "runs_at",
     "shape_bound",
@@ -214,13 +215,47 @@ def check_against_the_reference(
         bound.logits,
         hint=lambda: hint(bound.logits)(output.logits, reference.logits),
     )
+    check_loss_and_gradients(backend, judge, name)
+
+
+def check_loss_and_gradients(
+    backend: Backend,
+    judge: Judge,
+    name: str,
+    advice: Callable[[set[str]], str] | None = None,
+) -> None:
+    """Shape ``name``'s loss and gradients (where the backend has them) against the float64
+    reference at the shape's bounds; a failing gradient ends with ``advice`` on the set of
+    gradients off."""
+    bound = shape_bound(backend, name)
+    runs = runs_at(name, backend)
+    reference = runs.reference()
     result = runs.loss()
     check = judge.on(runs.case("backend.loss(model, tokens, targets)"))
     check.close("loss", result.loss, reference.loss, bound.loss)
-    if Capability.GRADIENTS in backend.capabilities:
-        check.close_each(
-            "gradient of", result.gradients, reference.gradients.items(), bound.gradients
-        )
+    if Capability.GRADIENTS not in backend.capabilities:
+        return
+    gradients = result.gradients or {}
+
+    def told(got: npt.ArrayLike, exact: npt.ArrayLike) -> str:
+        if advice is None:
+            return ""
+        off = {
+            name
+            for name, expected in reference.gradients.items()
+            if name in gradients and _worst(gradients[name], expected) > bound.gradients
+        }
+        return advice(off)
+
+    check.close_each(
+        "gradient of", gradients, reference.gradients.items(), bound.gradients, hint=told
+    )
+
+
+def _worst(got: npt.ArrayLike, exact: npt.ArrayLike) -> float:
+    """The largest scaled error, NaN (a value not finite) counted as infinite."""
+    errors = scaled_error(got, exact)
+    return float(np.max(np.where(np.isnan(errors), np.inf, errors), initial=0.0))
 
 
 def pattern_advice(flagged: npt.NDArray[np.bool_], *, rope: str, otherwise: str) -> str:

@@ -11,8 +11,9 @@ Every shape is a function of its fields alone: the parameters are the recipe's f
 ``(config, seed)`` (Xavier-uniform matrices, gains 1), and the tokens and targets are drawn
 from ``PCG64(seed)`` (but ``large-ids``, which VALUE-LARGE-IDS judges at every profile but
 ``scale``: one block, the ``spread`` variant's table, chosen IDs). VALUE-WIDE-HEADS judges
-``wide-heads`` at those profiles too (no generated head is wider than 8), and VALUE-ODD-WIDTHS
-``odd-widths`` (no generated width is past 32). Not the
+``wide-heads`` at those profiles too (no generated head is wider than 8), VALUE-ODD-WIDTHS
+``odd-widths`` (no generated width is past 32), and GRAD-LONG-CONTEXT ``long-gradients`` (no
+other gradient is taken over more than 80 positions). Not the
 ``varied`` variant the generated cases also use: its rescaled matrices and gains compound over
 30 blocks, and measured at SmolLM2-135M's shape they made the emulation's worst float32 stage
 error 115 times and its bfloat16 one 44 times the recipe's, so that a 16-bit backend's values
@@ -116,6 +117,14 @@ SCALE_SHAPES: dict[str, ScaleShape] = {shape.name: shape for shape in (
         about="every size past a tile of 64 and none a multiple of 4: heads of 70 (35 RoPE "
         "pairs), width 210, SwiGLU 333, vocabulary 131, 67 positions, where a vectorized "
         "loop or a tile over any of them ends in a partial group (VALUE-ODD-WIDTHS)",
+    ),
+    ScaleShape(
+        "long-gradients",
+        DecoderConfig(37, 16, 1, 24, 1, 4715),
+        batch=1, positions=4715, seed=4715,
+        about="one block over 4,715 positions, for the backward pass: every gradient a sum "
+        "over thousands of positions, and 4,715 odd, so every tile or chunk of a power of two "
+        "ends in a partial one (GRAD-LONG-CONTEXT)",
     ),
     ScaleShape(
         "smoke",

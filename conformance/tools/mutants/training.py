@@ -252,3 +252,75 @@ class OutputWeightGradientTransposed(MutantBackend):
             for n, g in (output.gradients or {}).items()
         }
         return LossOutput(output.loss, gradients)
+
+
+_KEY_TILE = 128
+
+
+def _gradient_dropped_from(x: Tensor, start: int) -> Tensor:
+    """``x`` unchanged; on the way back, the gradient of positions ``start ..`` left at 0."""
+
+    def vjp(g: Array) -> tuple[Array]:
+        kept = g.copy()
+        kept[..., start:, :] = 0.0
+        return (kept,)
+
+    return Tensor.from_operation(x.value, (x,), vjp, "key_tiles")
+
+
+class _KeyTilesBackward(c.ComposedAttention):
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        tokens = key.shape[-2]
+        if tokens > _KEY_TILE:
+            whole = _KEY_TILE * (tokens // _KEY_TILE)
+            key, value = _gradient_dropped_from(key, whole), _gradient_dropped_from(value, whole)
+        return super().attend(query, key, value)
+
+
+@mutant("GRAD-LONG-CONTEXT")
+class AttentionBackwardDropsAPartialKeyTile(MutantBackend):
+    """Attention's backward in key tiles of 128 leaves the last, partial tile's dK and dV at 0.
+
+    The forward is exact; so is every gradient below 129 positions, or at a whole number of
+    tiles (8,192 positions).
+    """
+
+    model_class = model_with("KeyTilesBackward", attention_class=_KeyTilesBackward)
+
+
+def _rows_weighted(logits: Tensor, weights: Array) -> Tensor:
+    """``logits`` unchanged; on the way back, each row's gradient times its weight."""
+    return Tensor.from_operation(
+        logits.value, (logits,), lambda g: (g * weights,), "chunked_loss_rows"
+    )
+
+
+@mutant("GRAD-LONG-CONTEXT")
+class LossBackwardWeighsChunksEqually(MutantBackend):
+    """Past 1024 rows the loss's backward is a mean of chunk means: each chunk of 1024 rows
+    weighted 1/chunks, a partial last chunk's rows by more than 1/rows.
+
+    The loss's value is the right mean (a fused loss reports it); the gradients are right
+    whenever every chunk is whole.
+    """
+
+    def loss(
+        self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
+    ) -> LossOutput:
+        output = super().loss(model, tokens, targets, **detach)  # validation, and the value
+        rows = np.size(targets)
+        if rows <= _LOSS_CHUNK:
+            return output
+        weights = np.empty(rows)
+        starts = range(0, rows, _LOSS_CHUNK)
+        for start in starts:
+            chunk = min(_LOSS_CHUNK, rows - start)
+            weights[start : start + chunk] = rows / (len(starts) * chunk)
+        result = model.forward(tokens, **detach)
+        weighted = _rows_weighted(result.logits, weights.reshape((*result.logits.shape[:-1], 1)))
+        loss = ops.indexed_mean_nll(weighted, np.asarray(targets, dtype=np.intp).reshape(-1))
+        model.zero_grad()
+        loss.backward(retain_graph=False)
+        gradients = dense_gradients(model)
+        model.zero_grad()
+        return LossOutput(output.loss, gradients)
