@@ -241,9 +241,9 @@ def check_loss_and_gradients(
         if advice is None:
             return ""
         off = {
-            name
-            for name, expected in reference.gradients.items()
-            if name in gradients and _worst(gradients[name], expected) > bound.gradients
+            parameter
+            for parameter, expected in reference.gradients.items()
+            if parameter in gradients and _worst(gradients[parameter], expected) > bound.gradients
         }
         return advice(off)
 
