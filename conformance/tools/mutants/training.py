@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -257,15 +258,21 @@ class OutputWeightGradientTransposed(MutantBackend):
 _KEY_TILE = 128
 
 
+def _backward_changed(x: Tensor, change: Callable[[Array], Array], name: str) -> Tensor:
+    """``x`` unchanged; on the way back, its gradient passed through ``change``: a bug of the
+    backward pass alone."""
+    return Tensor.from_operation(x.value, (x,), lambda g: (change(g),), name)
+
+
 def _gradient_dropped_from(x: Tensor, start: int) -> Tensor:
     """``x`` unchanged; on the way back, the gradient of positions ``start ..`` left at 0."""
 
-    def vjp(g: Array) -> tuple[Array]:
+    def dropped(g: Array) -> Array:
         kept = g.copy()
         kept[..., start:, :] = 0.0
-        return (kept,)
+        return kept
 
-    return Tensor.from_operation(x.value, (x,), vjp, "key_tiles")
+    return _backward_changed(x, dropped, "key_tiles")
 
 
 class _KeyTilesBackward(c.ComposedAttention):
@@ -286,13 +293,6 @@ class AttentionBackwardDropsAPartialKeyTile(MutantBackend):
     """
 
     model_class = model_with("KeyTilesBackward", attention_class=_KeyTilesBackward)
-
-
-def _rows_weighted(logits: Tensor, weights: Array) -> Tensor:
-    """``logits`` unchanged; on the way back, each row's gradient times its weight."""
-    return Tensor.from_operation(
-        logits.value, (logits,), lambda g: (g * weights,), "chunked_loss_rows"
-    )
 
 
 @mutant("GRAD-LONG-CONTEXT")
@@ -317,7 +317,8 @@ class LossBackwardWeighsChunksEqually(MutantBackend):
             chunk = min(_LOSS_CHUNK, rows - start)
             weights[start : start + chunk] = rows / (len(starts) * chunk)
         result = model.forward(tokens, **detach)
-        weighted = _rows_weighted(result.logits, weights.reshape((*result.logits.shape[:-1], 1)))
+        row_weights = weights.reshape((*result.logits.shape[:-1], 1))
+        weighted = _backward_changed(result.logits, lambda g: g * row_weights, "chunk_rows")
         loss = ops.indexed_mean_nll(weighted, np.asarray(targets, dtype=np.intp).reshape(-1))
         model.zero_grad()
         loss.backward(retain_graph=False)
