@@ -52,7 +52,7 @@ def test_tables_kept_per_head_width_are_named_as_the_previous_models() -> None:
         profile="ci",
         rules=["DET-ISOLATION"],
     )
-    (rule,) = [rule for rule in report.rules if rule.id == "DET-ISOLATION"]
+    rule = report.rule("DET-ISOLATION")
     assert rule.status == "failed"
     assert rule.message.startswith("[DET-ISOLATION] logits of model 2 (RoPE base 100)")
     assert "these are the logits of the model before it (RoPE base 10000)" in rule.message

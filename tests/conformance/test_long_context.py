@@ -101,7 +101,7 @@ def test_a_window_of_4096_keys_fails_at_every_precision(mutant: str) -> None:
 def test_a_loss_that_drops_a_partial_last_chunk_is_named() -> None:
     adapter = "conformance.tools.mutants.training:LossDropsAPartialLastChunk"
     report = run_suite(adapter, profile="ci", rules=["LOSS-MEAN-NLL"])
-    (rule,) = [rule for rule in report.rules if rule.id == "LOSS-MEAN-NLL"]
+    rule = report.rule("LOSS-MEAN-NLL")
     assert rule.status == "failed", report.output[-2000:]
     assert "the loss is the mean over positions 0-4095 only" in rule.message
     assert "chunks of 1024 or 2048 or 4096 positions" in rule.message
@@ -110,6 +110,6 @@ def test_a_loss_that_drops_a_partial_last_chunk_is_named() -> None:
 def test_a_long_batch_that_shares_a_cache_fails_batch_independence() -> None:
     adapter = "conformance.tools.mutants.numerics:LongBatchSharesTheFirstChunk"
     report = run_suite(adapter, profile="ci", rules=["BATCH-INDEPENDENCE"])
-    (rule,) = [rule for rule in report.rules if rule.id == "BATCH-INDEPENDENCE"]
+    rule = report.rule("BATCH-INDEPENDENCE")
     assert rule.status == "failed", report.output[-2000:]
     assert rule.message.startswith("[BATCH-INDEPENDENCE] logits of long sequence 1 run alone")

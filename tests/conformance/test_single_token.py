@@ -19,7 +19,7 @@ def test_a_single_token_shortcut_fails_the_value_rules_saying_where_to_look() ->
     adapter = "conformance.tools.mutants.numerics:SingleTokenSkipsOutputProjection"
     report = run_suite(adapter, profile="ci", rules=["VALUE-STAGES", "VALUE-LOGITS"])
     for rule_id in ("VALUE-STAGES", "VALUE-LOGITS"):
-        (rule,) = [rule for rule in report.rules if rule.id == rule_id]
+        rule = report.rule(rule_id)
         assert rule.status == "failed", report.output[-2000:]
         assert SINGLE_TOKEN_HINT in rule.message
         assert "tokens = [[11]]" in rule.message  # the case reproduced is the one-token one
@@ -28,7 +28,7 @@ def test_a_single_token_shortcut_fails_the_value_rules_saying_where_to_look() ->
 def test_sequences_of_one_token_mixed_up_fail_saying_so() -> None:
     adapter = "conformance.tools.mutants.numerics:BatchedSingleTokensShareTheFirstAttention"
     report = run_suite(adapter, profile="ci", rules=["VALUE-STAGES"])
-    (rule,) = [rule for rule in report.rules if rule.id == "VALUE-STAGES"]
+    rule = report.rule("VALUE-STAGES")
     assert rule.status == "failed", report.output[-2000:]
     assert SINGLE_TOKEN_HINT in rule.message
     assert "tokens = [[11], [4], [7]]" in rule.message

@@ -77,7 +77,7 @@ def test_the_advice_follows_the_pattern_of_positions_off(off: range, points_at: 
 def test_a_rope_over_the_first_64_features_fails_with_where_it_is_off() -> None:
     adapter = "conformance.tools.mutants.numerics:RopeRotatesAtMostSixtyFourFeatures"
     report = run_suite(adapter, profile="ci", rules=["VALUE-WIDE-HEADS"])
-    (rule,) = [rule for rule in report.rules if rule.id == "VALUE-WIDE-HEADS"]
+    rule = report.rule("VALUE-WIDE-HEADS")
     assert rule.status == "failed", report.output[-2000:]
     assert rule.message.startswith("[VALUE-WIDE-HEADS] stage block-0")
     assert "positions 1-79 of 80 off (position 0 within)" in rule.message
