@@ -4,7 +4,9 @@
 :class:`impl.emulation.EmulatedModel`, the instrument the tolerances are derived with, as
 backends: correct implementations at each precision that need nothing beyond numpy and
 ``ml_dtypes``. They keep the reference's validation and refusals (the float64 model is
-built first, then rounded) and every capability.
+built first, then rounded) and every capability. ``emulated-float32-loop`` runs
+:class:`impl.emulation.RecursiveSumsModel`, the second float32 instrument: the same port
+with every row sum added one term after another.
 """
 
 from __future__ import annotations
@@ -13,13 +15,19 @@ import numpy.typing as npt
 
 from conformance.adapter import FloatArray, ForwardOutput, LossOutput, Parameters
 from conformance.adapters.reference import ReferenceBackend, refusals
-from impl.emulation import EmulatedModel
+from impl.emulation import EmulatedModel, RecursiveSumsModel
 from impl.model import DecoderModel
 from spec.config import DecoderConfig
 from spec.formats import Precision
 from spec.recipe import SplitMix64
 
-__all__ = ["EmulatedBackend", "EmulatedBfloat16", "EmulatedFloat16", "EmulatedFloat32"]
+__all__ = [
+    "EmulatedBackend",
+    "EmulatedBfloat16",
+    "EmulatedFloat16",
+    "EmulatedFloat32",
+    "EmulatedFloat32Loop",
+]
 
 
 class EmulatedBackend(ReferenceBackend):
@@ -79,6 +87,16 @@ class EmulatedFloat32(EmulatedBackend):
 
     name = "emulated-float32"
     precision = Precision.FLOAT32
+
+
+class EmulatedFloat32Loop(EmulatedBackend):
+    """float32 with every row sum added in a plain loop, one term after another (softmax
+    denominators over 70,001 logits or 4,715 keys, the loss's mean): a correct port whose
+    sums lose more to rounding than numpy's pairwise ones, which the bounds must admit."""
+
+    name = "emulated-float32-loop"
+    precision = Precision.FLOAT32
+    emulation_class = RecursiveSumsModel
 
 
 class EmulatedBfloat16(EmulatedBackend):

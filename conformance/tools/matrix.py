@@ -54,6 +54,7 @@ DEFAULT_ADAPTERS: tuple[tuple[str, str | None], ...] = (
     ("reference", None),
     ("subprocess", REFERENCE_SERVER),
     ("emulated-float32", None),
+    ("emulated-float32-loop", None),
     ("emulated-bfloat16", None),
     ("emulated-float16", None),
     ("torch", None),
