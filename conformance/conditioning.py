@@ -68,8 +68,9 @@ def fixed_case_logits_bound(
 ) -> float:
     """A fixed case's logits bound, calibrated at run time as the suite's fixed cases are
     (``tolerances derive``): the tighter of the model's bound and CASE_SAFETY x the
-    emulation's largest logits error over CALIBRATION_SEEDS seeds of the configuration and
-    tokens (every sequence), never under CASE_SAFETY x 4 u. Float64: the model's."""
+    emulations' largest logits error (float32: both summation orders, so twice the runs) over
+    CALIBRATION_SEEDS seeds of the configuration and tokens (every sequence), never under
+    CASE_SAFETY x 4 u. Float64: the model's."""
     ids = np.asarray(tokens)
     general = model.at(config, ids.shape[1]).logits
     precision = Precision(model.precision)

@@ -392,12 +392,15 @@ class RecursiveSumsModel(EmulatedModel):
     exponentials and its mean, RMSNorm's mean square and the backward passes' row sums)
     accumulated one term after another in the working precision, as a plain loop in C or
     Rust (``iter().sum()``) adds. Its rounding error grows with the square root of the
-    number of terms, pairwise summation's with the square root of their logarithm: at
-    70,001 logits or 4,715 positions a correct float32 port that loops measured 2-4 times
-    the pairwise emulation's error. The matrix products stay BLAS's, which already
-    accumulates each dot product in turn along the inner dimension."""
+    number of terms, pairwise summation's with the square root of their logarithm: at 70,001
+    logits a row (``large-ids``) its float32 loss is about 20 times farther from the float64
+    reference's than the pairwise emulation's. The matrix products stay BLAS's (blocked along
+    the inner dimension); a probe port that also loops its products stays within 43% of the
+    bounds calibrated with both instruments."""
 
     def _row_sum(self, values: Array) -> npt.NDArray[Any]:
-        running = np.add.accumulate(self.arithmetic.w(values), axis=-1)
-        result: npt.NDArray[Any] = running[..., -1:]
+        # Accumulated in place: attention's rows are [heads, T, T], one copy is enough.
+        work = self.arithmetic.w(values)
+        np.add.accumulate(work, axis=-1, out=work)
+        result: npt.NDArray[Any] = work[..., -1:].copy()
         return result

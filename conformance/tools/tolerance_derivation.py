@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import gc
 import math
 import platform
@@ -269,10 +270,11 @@ CASE_SAFETY = 6.0
 def instruments(precision: Precision) -> tuple[type[EmulatedModel], ...]:
     """The emulations a fixed case or a scale shape is calibrated with, the larger error
     counting. float32: pairwise and recursive summation both (a correct float32 port that
-    sums in a plain loop measured 2.3 times VALUE-LARGE-IDS's pairwise-calibrated bound, at
-    70,001 logits a row). The 16-bit formats sum in float32 too, so the order of their sums
-    moves errors far below their own rounding (at ``large-ids`` and ``long-gradients`` both
-    orders gave the same errors to three significant digits): the pairwise emulation alone."""
+    sums in a plain loop measured 13 times VALUE-LARGE-IDS's pairwise-calibrated gradient
+    bound, at 70,001 logits a row). The 16-bit formats sum in float32 too, so the order of
+    their sums moves errors far below their own rounding (at ``large-ids`` and
+    ``long-gradients`` both orders gave the same errors to three significant digits): the
+    pairwise emulation alone."""
     if precision is Precision.FLOAT32:
         return (EmulatedModel, RecursiveSumsModel)
     return (EmulatedModel,)
@@ -285,21 +287,21 @@ def emulation_errors(
     ``rows``: the logits of those rows only, forward only); see :func:`instruments`."""
     parameters = scenario_parameters(case.config, case.seed, case.variant)
     reference = DecoderModel.from_parameters(case.config, parameters)
-    worst = dict.fromkeys(Quantity, 0.0)
+    measured: list[dict[Quantity, float]] = []
     if rows is None:
         exact = _reference_run(reference, case)
         for instrument in instruments(precision):
-            measured = _errors(_emulated_run(reference, case, precision, instrument), exact)
-            worst = _larger(worst, measured)
-        return worst
-    picked = list(rows)
-    exact_rows = reference.forward(case.tokens).logits.value[0, picked]
-    for instrument in instruments(precision):
-        got = instrument(reference, precision).forward(case.tokens).logits.value[0, picked]
-        worst[Quantity.LOGITS] = max(
-            worst[Quantity.LOGITS], float(np.max(scaled_error(got, exact_rows)))
-        )
-    return worst
+            measured.append(_errors(_emulated_run(reference, case, precision, instrument), exact))
+    else:
+        picked = list(rows)
+        exact_rows = reference.forward(case.tokens).logits.value[0, picked]
+        for instrument in instruments(precision):
+            got = instrument(reference, precision).forward(case.tokens).logits.value[0, picked]
+            errors = dict.fromkeys(Quantity, 0.0)
+            errors[Quantity.LOGITS] = float(np.max(scaled_error(got, exact_rows)))
+            measured.append(errors)
+    # One instrument (the 16-bit formats): its errors as they are, a NaN included.
+    return functools.reduce(_larger, measured)
 
 
 def conditioning_errors(
@@ -322,7 +324,7 @@ def conditioning_errors(
 def worst_over_seeds(
     case: DerivationCase, precision: Precision, rows: tuple[int, ...] | None = None
 ) -> dict[Quantity, float]:
-    """The emulation's largest errors over CALIBRATION_SEEDS seeds of ``case`` (its seed and
+    """The emulations' largest errors over CALIBRATION_SEEDS seeds of ``case`` (its seed and
     the next ones), as :func:`emulation_errors` measures them."""
     worst = dict.fromkeys(Quantity, 0.0)
     for offset in range(CALIBRATION_SEEDS):
