@@ -3,8 +3,12 @@ sums (70,001 logits a row, 4,715 positions) are calibrated with recursive summat
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
 
+import numpy as np
+import pytest
+
+from conformance.adapter import FloatArray, LossOutput
 from conformance.adapters.reference import ReferenceBackend
 from conformance.runner import run_suite
 from conformance.tools.tolerance_derivation import (
@@ -21,51 +25,56 @@ from spec.tolerances import Quantity, scale_tolerance, scaled_error
 from spec.variants import scenario_parameters
 
 
-def _large_ids_case() -> DerivationCase:
+@dataclass(frozen=True)
+class LongRowRuns:
+    """Large-ids (70,001 logits a row) under the float64 reference and both float32
+    instruments: one run each, shared by the tests below."""
+
+    case: DerivationCase
+    exact: LossOutput
+    pairwise: tuple[float, dict[str, FloatArray]]
+    recursive: tuple[float, dict[str, FloatArray]]
+
+
+@pytest.fixture(scope="module")
+def long_row() -> LongRowRuns:
     shape = scale_shape("large-ids")
     tokens, targets = shape.tokens_and_targets()
-    return DerivationCase(shape.config, shape.seed, shape.variant, tokens, targets)
-
-
-def test_recursive_sums_lose_more_than_pairwise_ones_over_a_long_row() -> None:
-    """The second instrument measures something the first does not: at 70,001 logits a row
-    its loss is farther from the float64 reference's."""
-    case = _large_ids_case()
+    case = DerivationCase(shape.config, shape.seed, shape.variant, tokens, targets)
     reference = DecoderModel.from_parameters(
         case.config, scenario_parameters(case.config, case.seed, case.variant)
     )
-    exact = ReferenceBackend().loss(reference, case.tokens, case.targets).loss
-    pairwise = EmulatedModel(reference, Precision.FLOAT32).loss_and_gradients(
-        case.tokens, case.targets
-    )[0]
-    recursive = RecursiveSumsModel(reference, Precision.FLOAT32).loss_and_gradients(
-        case.tokens, case.targets
-    )[0]
+    return LongRowRuns(
+        case,
+        ReferenceBackend().loss(reference, tokens, targets),
+        EmulatedModel(reference, Precision.FLOAT32).loss_and_gradients(tokens, targets),
+        RecursiveSumsModel(reference, Precision.FLOAT32).loss_and_gradients(tokens, targets),
+    )
+
+
+def _worst_gradient(gradients: dict[str, FloatArray], exact: LossOutput) -> float:
+    assert exact.gradients is not None
+    return max(
+        float(np.max(scaled_error(value, exact.gradients[name])))
+        for name, value in gradients.items()
+    )
+
+
+def test_recursive_sums_lose_more_than_pairwise_ones_over_a_long_row(long_row: LongRowRuns) -> None:
+    """The second instrument measures something the first does not: at 70,001 logits a row
+    its loss is farther from the float64 reference's."""
+    exact = long_row.exact.loss
+    pairwise, recursive = long_row.pairwise[0], long_row.recursive[0]
     assert abs(recursive - exact) > 5 * abs(pairwise - exact)  # 20x measured
 
 
-def test_float32_calibration_takes_the_larger_error_of_both_orders() -> None:
+def test_float32_calibration_takes_the_larger_error_of_both_orders(long_row: LongRowRuns) -> None:
     assert instruments(Precision.FLOAT32) == (EmulatedModel, RecursiveSumsModel)
     assert instruments(Precision.BFLOAT16) == (EmulatedModel,)
-    case = _large_ids_case()
-    reference = DecoderModel.from_parameters(
-        case.config, scenario_parameters(case.config, case.seed, case.variant)
-    )
-    exact = ReferenceBackend().loss(reference, case.tokens, case.targets)
-    each = []
-    for model in (EmulatedModel, RecursiveSumsModel):
-        gradients = model(reference, Precision.FLOAT32).loss_and_gradients(
-            case.tokens, case.targets
-        )[1]
-        each.append(
-            max(
-                float(np.max(scaled_error(gradients[name], (exact.gradients or {})[name])))
-                for name in gradients
-            )
-        )
-    pairwise, recursive = each
+    pairwise = _worst_gradient(long_row.pairwise[1], long_row.exact)
+    recursive = _worst_gradient(long_row.recursive[1], long_row.exact)
     assert recursive > 5 * pairwise  # 7.3e-6 against 2.9e-7 or less
-    both = emulation_errors(case, Precision.FLOAT32)
+    both = emulation_errors(long_row.case, Precision.FLOAT32)
     assert both[Quantity.GRADIENTS] == recursive
     # The committed bound: CASE_SAFETY x the worst over eight seeds of both instruments.
     assert scale_tolerance(Precision.FLOAT32, "large-ids").gradients >= CASE_SAFETY * recursive
