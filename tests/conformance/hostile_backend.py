@@ -95,6 +95,8 @@ def _serve(
             time.sleep(float(os.environ.get("HOSTILE_DELAY", "0.8")))
         if mode == "hangs" and operation not in ("hello",):
             time.sleep(600)
+        if mode == "streams-long" and operation == "forward" and len(line) > 2**19:
+            time.sleep(600)  # computing ERR-RESOURCES' 2^18 positions, as a streaming port does
         if mode == "stderr-long-lines-crash" and operation == "forward":
             os._exit(3)
         if mode == "silent-shutdown" and operation == "shutdown":

@@ -435,6 +435,22 @@ def test_three_timeouts_in_a_row_end_the_waiting() -> None:
     assert no_survivors(marker) == []
 
 
+def test_a_backend_computing_the_roomy_pass_is_told_why_it_timed_out() -> None:
+    """A correct port whose attention streams over keys computes ERR-RESOURCES' 2^18
+    positions instead of refusing them; the timeout names the way out."""
+    marker = f"hostile-{uuid.uuid4().hex}"
+    report = run_suite(
+        "subprocess", profile="ci", backend_command=f"{HOSTILE} streams-long {marker}",
+        backend_timeout=2, rules=["ERR-RESOURCES"], cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    rule = report.rule("ERR-RESOURCES")
+    assert rule.status == "failed"
+    first_line = rule.message.splitlines()[0]
+    assert "did not answer 'forward' within 2 s" in first_line
+    assert "streams over keys" in rule.message and "--skips-file" in rule.message
+    assert no_survivors(marker) == []
+
+
 def test_a_silent_shutdown_costs_two_seconds_at_most() -> None:
     report = probe("silent-shutdown", "forward", timeout=30)
     assert report["results"][0]["outcome"] == "ok"
