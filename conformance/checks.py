@@ -285,12 +285,7 @@ class Judge:
             and got_array.tobytes() == expected_array.tobytes()
         )
         if not same:
-            gap = (
-                float(np.max(np.abs(got_array.astype(np.float64) - expected_array)))
-                if got_array.shape == expected_array.shape
-                else float("nan")
-            )
-            self.fail(what, f"different (by up to {gap:.3e})", "bitwise the same")
+            self.fail(what, _how_different(got_array, expected_array), "bitwise the same")
 
     def refused(
         self,
@@ -328,3 +323,16 @@ class Judge:
             got = caught.details.get(name, "missing")
             self.check(got == value, f"refusal detail {name}", got, value)
         return caught
+
+
+def _how_different(got: npt.NDArray[Any], expected: npt.NDArray[Any]) -> str:
+    """What differs between two finite arrays that are not bit for bit the same."""
+    if got.shape != expected.shape:
+        return f"different (shape {list(got.shape)} against {list(expected.shape)})"
+    gap = float(np.max(np.abs(got.astype(np.float64) - expected), initial=0.0))
+    if gap > 0:
+        return f"different (by up to {gap:.3e})"
+    if got.dtype != expected.dtype:
+        return f"different (dtype {got.dtype} against {expected.dtype}, the same values)"
+    zeros = int(np.count_nonzero(np.signbit(got) != np.signbit(expected)))
+    return f"different (the same values, {zeros} zero{'s' if zeros != 1 else ''} of the other sign)"

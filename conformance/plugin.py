@@ -257,6 +257,40 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
         if call.excinfo.errisinstance(AdapterFault):
             outcome.get_result().longrepr = str(call.excinfo.value)
+        else:
+            from hypothesis.errors import FlakyFailure
+
+            if call.excinfo.errisinstance(FlakyFailure):
+                first = _first_failure(call.excinfo.value)
+                if first is not None:
+                    outcome.get_result().longrepr = f"{first}\n{NOT_REPRODUCIBLE}"
+
+
+# Said under a failure hypothesis could not replay: its traceback group is no help to a
+# reader, but the reason it could not is.
+NOT_REPRODUCIBLE = (
+    "(hypothesis replayed this example and the backend answered differently: the same calls "
+    "do not give the same answers, so the failure may not reproduce either; dropout or "
+    "sampling left on, state carried from one call to the next, or memory read before "
+    "it is written)"
+)
+
+
+def _first_failure(error: BaseException | None) -> str | None:
+    """The message of the first check failure or adapter fault inside a hypothesis error
+    group (through the wrappers' causes), or None."""
+    from conformance.guard import AdapterFault
+
+    if error is None:
+        return None
+    if isinstance(error, pytest.fail.Exception | AdapterFault):
+        return str(error)
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = _first_failure(inner)
+            if found is not None:
+                return found
+    return _first_failure(error.__cause__)
 
 
 def _stop_after_a_chosen_category(item: pytest.Item, report: pytest.TestReport) -> None:

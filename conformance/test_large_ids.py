@@ -47,11 +47,21 @@ READINGS: dict[str, Callable[[IdArray], IdArray]] = {
 }
 
 
-def _rows_looked_up(table: FloatArray, lookup: FloatArray) -> IdArray:
-    """For each position's lookup, the table row nearest it (largest elementwise distance)."""
+NO_ROW = -1
+
+
+def _rows_looked_up(table: FloatArray, lookup: FloatArray, bound: float) -> IdArray:
+    """For each position's lookup, the table row nearest it (largest elementwise distance),
+    or ``NO_ROW`` where even that one is farther than ``bound`` (scaled): a lookup scaled or
+    shifted after the read (Gemma's sqrt(d)) is no row, not the row it happens to be nearest."""
     flat = lookup.reshape(-1, table.shape[1])
+    nearest = [int(np.argmin(np.max(np.abs(table - row), axis=1))) for row in flat]
     return np.array(
-        [int(np.argmin(np.max(np.abs(table - row), axis=1))) for row in flat], dtype=np.int64
+        [
+            row if Judge.within(looked_up, table[row], bound) else NO_ROW
+            for row, looked_up in zip(nearest, flat, strict=True)
+        ],
+        dtype=np.int64,
     ).reshape(lookup.shape[:-1])
 
 
@@ -59,8 +69,12 @@ def _selections(wanted: IdArray, read: IdArray) -> str:
     """``[b, t]: ID v read as row r``, for the first few positions that read another row."""
     wrong = np.argwhere(read != wanted)
     shown = [
-        f"{[int(i) for i in index]}: ID {int(wanted[tuple(index)])} read as row "
-        f"{int(read[tuple(index)])}"
+        f"{[int(i) for i in index]}: ID {int(wanted[tuple(index)])} read as "
+        + (
+            "no row of the table"
+            if read[tuple(index)] == NO_ROW
+            else f"row {int(read[tuple(index)])}"
+        )
         for index in wrong[:4]
     ]
     more = f", and {len(wrong) - len(shown)} more" if len(wrong) > len(shown) else ""
@@ -109,7 +123,7 @@ def test_large_ids_select_their_own_rows(backend: Backend, judge: Judge) -> None
         got = dict(output.stages)
         lookup = np.asarray(got.get("embedding", np.zeros(0)), dtype=np.float64)
         if lookup.shape == (*tokens.shape, config.model_width):
-            read = _rows_looked_up(dict(runs.parameters)[EMBEDDING_NAME], lookup)
+            read = _rows_looked_up(dict(runs.parameters)[EMBEDDING_NAME], lookup, bound.stages)
             readings = _readings_matching(
                 lambda ids: np.array_equal(ids, read), tokens, config.vocabulary_size
             )

@@ -92,6 +92,33 @@ def test_same_bits_compares_bits_and_sees_nan() -> None:
     assert moved.startswith("[SHAPE-LOGITS] logits=different (by up to 2.220e-16)")
 
 
+def test_same_bits_says_what_differs_when_no_value_does() -> None:
+    signs = failure(
+        lambda: judge().same_bits("gradient", np.array([0.0, -0.0, 1.0]), np.array([0.0, 0.0, 1.0]))
+    )
+    assert "gradient=different (the same values, 1 zero of the other sign)" in signs
+    widened = failure(lambda: judge().same_bits("loss", np.float32(0.5), np.float64(0.5)))
+    assert "loss=different (dtype float32 against float64, the same values)" in widened
+    shaped = failure(lambda: judge().same_bits("logits", np.zeros((1, 2)), np.zeros(2)))
+    assert "logits=different (shape [1, 2] against [2])" in shaped
+
+
+def test_a_failure_hypothesis_could_not_replay_keeps_its_message() -> None:
+    """A backend whose answers change between identical calls makes hypothesis raise a group
+    of tracebacks; the report keeps the check's own message and says why it could not."""
+    from hypothesis.errors import FlakyFailure
+
+    from conformance.plugin import _first_failure
+
+    first = Failed("[DET-REPEAT] loss=different")
+    wrapped = RuntimeError("wrapper")
+    wrapped.__cause__ = Failed("[DET-REPEAT] second")
+    group = FlakyFailure("Inconsistent results", [ValueError("other"), first, wrapped])
+    assert _first_failure(group) == "[DET-REPEAT] loss=different"
+    assert _first_failure(FlakyFailure("x", [wrapped])) == "[DET-REPEAT] second"
+    assert _first_failure(FlakyFailure("x", [ValueError("no check")])) is None
+
+
 def test_close_reports_a_shape_mismatch_before_values() -> None:
     message = failure(lambda: judge().close("logits", np.zeros((1, 5, 3)), np.zeros((1, 3, 5)), 1))
     assert message == "[SHAPE-LOGITS] logits shape=[1, 5, 3], but should be [1, 3, 5]"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conformance.runner import run_suite
-from conformance.test_large_ids import READINGS
+from conformance.test_large_ids import NO_ROW, READINGS, _rows_looked_up, _selections
 from spec.formats import Precision
 from spec.scale import LARGE_IDS, scale_shape
 from spec.tolerances import scale_tolerance
@@ -77,3 +77,18 @@ def test_a_target_kept_in_int16_is_named_by_the_loss() -> None:
     message = _failure("conformance.tools.mutants.inputs:TargetIdsKeptInInt16")
     assert message.startswith("[VALUE-LARGE-IDS] loss=")
     assert "the loss is that of each ID kept in a signed 16-bit integer" in message
+
+
+def test_a_lookup_that_is_no_row_is_not_named_as_the_row_nearest_it() -> None:
+    """A lookup scaled after the read (Gemma's sqrt(d), copied into a port) is near some
+    row of a 70,001-row table by chance; naming that row would send the reader to the IDs."""
+    table = np.random.default_rng(0).normal(size=(500, 8))
+    ids = np.array([[3, 257, 499]])
+    exact, wrong_row = table[ids], table[[[3, 1, 499]]]
+    rounded = exact.astype(np.float32).astype(np.float64)  # a float32 port's lookup
+    assert _rows_looked_up(table, rounded, 1e-6).tolist() == ids.tolist()
+    assert _rows_looked_up(table, wrong_row, 1e-6).tolist() == [[3, 1, 499]]
+    scaled = _rows_looked_up(table, exact * np.sqrt(8), 1e-6)
+    assert scaled.tolist() == [[NO_ROW] * 3]
+    assert "[0, 1]: ID 257 read as no row of the table" in _selections(ids, scaled)
+    assert "[0, 1]: ID 257 read as row 1" in _selections(ids, np.array([[3, 1, 499]]))
