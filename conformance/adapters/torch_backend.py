@@ -203,7 +203,8 @@ class Attention(nn.Module):
         self.value, self.output = Linear(width, width), Linear(width, width)
         self.heads, self.base = config.heads, config.rope_base
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def projected(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries, rotated keys and values of ``x [B, T, d]``, each ``[B, H, T, hw]``."""
         batch, length, width = x.shape
         head_width = width // self.heads
 
@@ -213,12 +214,21 @@ class Attention(nn.Module):
         cos, sin = rotary_tables(length, head_width, self.base, x.dtype)
         query = rotate_interleaved(split(self.query(x)), cos, sin)
         key = rotate_interleaved(split(self.key(x)), cos, sin)
-        scores = product(query, key.transpose(-1, -2)) / math.sqrt(head_width)
+        return query, key, split(self.value(x))
+
+    def merged(self, mixed: torch.Tensor) -> torch.Tensor:
+        """The output projection of the heads' mixed values ``[B, H, T, hw]``."""
+        batch, _, length, _ = mixed.shape
+        result: torch.Tensor = self.output(mixed.transpose(1, 2).reshape(batch, length, -1))
+        return result
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        query, key, value = self.projected(x)
+        length = x.shape[1]
+        scores = product(query, key.transpose(-1, -2)) / math.sqrt(query.shape[-1])
         future = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
         weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-        mixed = product(weights, split(self.value(x))).transpose(1, 2).reshape(batch, length, width)
-        result: torch.Tensor = self.output(mixed)
-        return result
+        return self.merged(product(weights, value))
 
 
 class FeedForward(nn.Module):

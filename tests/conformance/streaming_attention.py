@@ -12,14 +12,12 @@ import types
 
 import torch
 
-from conformance.adapters import torch_backend
 from conformance.adapters.torch_backend import (
     Attention,
     TorchDecoder,
     TorchFloat16Backend,
     TorchFloat32Backend,
-    rotary_tables,
-    rotate_interleaved,
+    working_dtype,
 )
 from spec.config import DecoderConfig
 
@@ -27,39 +25,27 @@ KEY_TILE = 64
 
 
 def streamed_attention(self: Attention, x: torch.Tensor, *, rescale_output: bool) -> torch.Tensor:
-    batch, length, width = x.shape
-    head_width = width // self.heads
-
-    def split(y: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, H, T, hw)
-        return y.view(batch, length, self.heads, head_width).transpose(1, 2)
-
-    cos, sin = rotary_tables(length, head_width, self.base, x.dtype)
-    work = torch_backend.working_dtype(x.dtype)  # 16-bit ports keep their running sums in float32
-    query = rotate_interleaved(split(self.query(x)), cos, sin).to(work)
-    key = rotate_interleaved(split(self.key(x)), cos, sin).to(work)
-    value = split(self.value(x)).to(work)
+    work = working_dtype(x.dtype)  # 16-bit ports keep their running sums in float32
+    query, key, value = (part.to(work) for part in self.projected(x))
+    length = x.shape[1]
     rows = torch.arange(length)[:, None]
     maximum = torch.full((*query.shape[:-1], 1), -math.inf, dtype=work)
     total = torch.zeros((*query.shape[:-1], 1), dtype=work)
     mixed = torch.zeros_like(query)
     for start in range(0, length, KEY_TILE):
         stop = min(start + KEY_TILE, length)
-        scores = query @ key[:, :, start:stop].transpose(-1, -2) / math.sqrt(head_width)
+        scores = query @ key[:, :, start:stop].transpose(-1, -2) / math.sqrt(query.shape[-1])
         scores = scores.masked_fill(torch.arange(start, stop)[None, :] > rows, -math.inf)
         grown = torch.maximum(maximum, scores.amax(-1, keepdim=True))
-        shift = torch.where(
-            torch.isinf(grown), torch.zeros_like(grown), grown
-        )  # rows with no key yet
+        # A row with no visible key yet keeps a maximum of -inf: shift it by 0, not by -inf.
+        shift = torch.where(torch.isinf(grown), torch.zeros_like(grown), grown)
         weights = torch.exp(scores - shift)
         correction = torch.exp(maximum - shift)
         total = total * correction + weights.sum(-1, keepdim=True)
-        mixed = (mixed * correction if rescale_output else mixed) + weights @ value[
-            :, :, start:stop
-        ]
+        kept = mixed * correction if rescale_output else mixed
+        mixed = kept + weights @ value[:, :, start:stop]
         maximum = grown
-    merged = (mixed / total).to(x.dtype).transpose(1, 2).reshape(batch, length, width)
-    result: torch.Tensor = self.output(merged)
-    return result
+    return self.merged((mixed / total).to(x.dtype))
 
 
 def _streamed(module: TorchDecoder, *, rescale_output: bool) -> TorchDecoder:
