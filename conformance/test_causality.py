@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.adapter import Backend
+from conformance.adapter import Backend, FloatArray
 from conformance.cases import IdArray, Scenario, must_differ, scenarios
 from conformance.checks import Case, Judge, positions_off
 from conformance.profiles import suite_settings
@@ -91,6 +92,71 @@ def test_changing_token_t_changes_row_t(
     check.check(moved, f"logit row {position} changed in every sequence", moved, True)
 
 
+def _long_logits(
+    backend: Backend, judge: Judge, change: Callable[[IdArray], IdArray], call: str
+) -> tuple[Judge, FloatArray, FloatArray]:
+    """The judge bound to the long sequence (``call`` its reproduction), and the logits of its
+    sequence 0 as drawn and after ``change``, their shapes checked."""
+    tokens, parameters = long_inputs()
+    changed = change(tokens)
+    check = judge.on(Case(LONG_CONFIG, LONG_SEED, tokens, call=call, variant="varied"))
+    model = backend.build(LONG_CONFIG, parameters)
+    rows = [np.asarray(backend.forward(model, ids).logits) for ids in (tokens, changed)]
+    shape = (1, LONG_CONFIG.context, LONG_CONFIG.vocabulary_size)
+    for logits in rows:
+        check.check(logits.shape == shape, "logits shape", list(logits.shape), list(shape))
+    return check, rows[0][0], rows[1][0]
+
+
+# VALUE-LONG-CONTEXT's sequence with its tokens from LATE_KEYS on changed: rows before them
+# may not move. A kernel that takes a tiled or chunked path only past some length (a prefill in
+# chunks of 1024 queries whose causal mask is dropped after the first chunk, as code that skips
+# the mask whenever a key/value cache holds keys does; a mask applied per tile of keys) lets a
+# row see the later keys of its own tile or chunk only at lengths the drawn sequences never
+# reach. 4700 is no multiple of 8, so every tile of 8 or more positions holding 4700 also holds
+# rows before it. Bitwise, so a leak too small for any value bound still fails.
+LATE_KEYS = 4700
+
+
+def late_keys_changed(tokens: IdArray) -> IdArray:
+    """``tokens`` with every token from LATE_KEYS on replaced by the next ID."""
+    changed = tokens.copy()
+    changed[:, LATE_KEYS:] = (changed[:, LATE_KEYS:] + 1) % LONG_CONFIG.vocabulary_size
+    return changed
+
+
+@pytest.mark.rule("CAUSAL-PREFIX-BITWISE")
+def test_long_rows_do_not_see_later_keys(backend: Backend, judge: Judge) -> None:
+    last = LONG_CONFIG.context - 1
+    call = (
+        "changed_tokens = tokens.copy()\n"
+        f"changed_tokens[:, {LATE_KEYS}:] = (changed_tokens[:, {LATE_KEYS}:] + 1) % "
+        f"{LONG_CONFIG.vocabulary_size}\n"
+        f"before = backend.forward(model, tokens).logits[0, :{LATE_KEYS}]\n"
+        f"after = backend.forward(model, changed_tokens).logits[0, :{LATE_KEYS}]\n"
+        "# the rule: rows before the changed tokens are bitwise the same\n"
+        "print(before.tobytes() == after.tobytes())"
+    )
+    check, before, after = _long_logits(backend, judge, late_keys_changed, call)
+    before, after = before[:LATE_KEYS], after[:LATE_KEYS]
+    changed_keys = f"tokens {LATE_KEYS}-{last} changed"
+    check.finite(f"logit rows 0-{LATE_KEYS - 1}", before)
+    check.finite(f"logit rows 0-{LATE_KEYS - 1} with {changed_keys}", after)
+    moved = np.flatnonzero(np.any(before != after, axis=-1))
+    if moved.size == 0:
+        return
+    worst = float(np.max(np.abs(before[moved] - after[moved])))
+    check.fail(
+        f"logit rows 0-{LATE_KEYS - 1} with {changed_keys}",
+        f"{moved.size} rows changed (the first {moved[0]}, the last {moved[-1]}) "
+        f"by up to {worst:.3e}",
+        f"bitwise unchanged: a row that moves sees keys after it, at a length the drawn "
+        f"sequences never reach (a causal mask applied per tile or chunk of positions, or one "
+        f"dropped after a chunked prefill's first chunk); the first moved row, {moved[0]}, "
+        f"is {LATE_KEYS - moved[0]} positions before the first changed key",
+    )
+
+
 # VALUE-LONG-CONTEXT's sequence with its first FAR_KEYS tokens set to FAR_TOKEN: for its last
 # row those are the keys 4096 or more positions back, which a window of 4096 keys (Mistral's)
 # hides. With one block nothing else carries them to that row, so a windowed backend gives
@@ -111,8 +177,6 @@ def far_keys_changed(tokens: IdArray) -> IdArray:
 
 @pytest.mark.rule("CAUSAL-LONG-REACH")
 def test_the_last_row_sees_the_first_keys(backend: Backend, judge: Judge) -> None:
-    tokens, parameters = long_inputs()
-    changed = far_keys_changed(tokens)
     last = LONG_CONFIG.context - 1
     call = (
         "changed_tokens = tokens.copy()\n"
@@ -122,13 +186,8 @@ def test_the_last_row_sees_the_first_keys(backend: Backend, judge: Judge) -> Non
         "# the rule: the last row moves when the first keys change\n"
         "print((before != after).any())"
     )
-    check = judge.on(Case(LONG_CONFIG, LONG_SEED, tokens, call=call, variant="varied"))
-    model = backend.build(LONG_CONFIG, parameters)
-    rows = [np.asarray(backend.forward(model, ids).logits) for ids in (tokens, changed)]
-    shape = (1, LONG_CONFIG.context, LONG_CONFIG.vocabulary_size)
-    for logits in rows:
-        check.check(logits.shape == shape, "logits shape", list(logits.shape), list(shape))
-    before, after = (logits[0, last] for logits in rows)
+    check, before, after = _long_logits(backend, judge, far_keys_changed, call)
+    before, after = before[last], after[last]
     changed_keys = f"tokens 0-{FAR_KEYS - 1} set to {FAR_TOKEN}"
     check.finite(f"logit row {last}", before)
     check.finite(f"logit row {last} with {changed_keys}", after)

@@ -98,6 +98,21 @@ def test_a_window_of_4096_keys_fails_at_every_precision(mutant: str) -> None:
     assert statuses["VALUE-LONG-CONTEXT"].status == "failed"
 
 
+def test_a_mask_dropped_after_the_first_prefill_chunk_fails_only_the_bitwise_rule() -> None:
+    """Rows 1024 and on see the rest of their chunk of 1024: in bfloat16 the leak stays within
+    the long sequence's value bound, and only the bitwise prefix check on it fails."""
+    adapter = "conformance.tools.mutants.numerics:PrefillChunkSeesAheadInBfloat16"
+    report = run_suite(adapter, profile="ci", rules=["CAUSAL-PREFIX-BITWISE", "VALUE-LONG-CONTEXT"])
+    prefix = report.rule("CAUSAL-PREFIX-BITWISE")
+    assert prefix.status == "failed", report.output[-2000:]
+    assert prefix.message.startswith(
+        "[CAUSAL-PREFIX-BITWISE] logit rows 0-4699 with tokens 4700-4714 changed="
+    )
+    assert "(the first 4096, the last 4698)" in prefix.message  # the chunk that holds 4700
+    assert "dropped after a chunked prefill's first chunk" in prefix.message
+    assert report.rule("VALUE-LONG-CONTEXT").status == "passed"
+
+
 def test_a_loss_that_drops_a_partial_last_chunk_is_named() -> None:
     adapter = "conformance.tools.mutants.training:LossDropsAPartialLastChunk"
     report = run_suite(adapter, profile="ci", rules=["LOSS-MEAN-NLL"])

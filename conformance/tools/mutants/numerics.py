@@ -112,6 +112,34 @@ class AttentionWindowInBfloat16(EmulatedBackend):
 _PREFILL_CHUNK = 1024
 
 
+def _future_outside_the_chunk(length: int) -> npt.NDArray[np.bool_]:
+    """``[T, T]``: the keys after a query, except, past the first chunk, those in its own."""
+    chunk = np.arange(length) // _PREFILL_CHUNK
+    own_chunk = (chunk[:, None] == chunk[None, :]) & (chunk[:, None] > 0)
+    hidden: npt.NDArray[np.bool_] = c.future_mask(length) & ~own_chunk
+    return hidden
+
+
+class _EmulatedChunkSeesAhead(EmulatedModel):
+    def _hidden_keys(self, tokens: int) -> npt.NDArray[np.bool_]:
+        return _future_outside_the_chunk(tokens)
+
+
+@mutant("CAUSAL-PREFIX-BITWISE")
+class PrefillChunkSeesAheadInBfloat16(EmulatedBackend):
+    """A bfloat16 backend whose prefill in chunks of 1024 drops the mask after the first chunk.
+
+    Code that skips the causal mask whenever its key/value cache holds keys, as if every later
+    call decoded one token: past position 1024 a row sees the rest of its chunk. Every drawn
+    sequence is shorter than a chunk, and at 4715 positions the leak moved no sampled row
+    past the bfloat16 bound (VALUE-LONG-CONTEXT at 31% of it), so only the bitwise check on
+    the long sequence sees it.
+    """
+
+    precision = Precision.BFLOAT16
+    emulation_class = _EmulatedChunkSeesAhead
+
+
 def _first_chunk_from_sequence_zero(x: Tensor) -> Tensor:
     """``x`` with every sequence's first chunk of positions replaced by sequence 0's."""
     value = x.value.copy()
