@@ -112,7 +112,7 @@ RULES: tuple[Rule, ...] = (
     Rule("TIE-SINGLE-LEAF", "One table serves lookup and projection: changing its row v changes both E[v] and logit column v.", C.TYING, _ROLES),
     Rule("TIE-GRADIENT-SUM", "The table's gradient is its lookup-role plus its output-role part, each measured with the other use detached, and neither is missing.", C.TYING, _ROLES, needs=(K.GRADIENTS, K.TIED_ROLES,)),
     Rule("TIE-OUTPUT-ROLE", "The table's gradient includes the output role (rows never looked up receive it); a head that merely copies the table is not tied.", C.TYING, _ROLES, needs=(K.GRADIENTS, K.STAGES,)),
-    Rule("CAUSAL-PREFIX-BITWISE", "Changing only token t leaves every logit row before t bitwise unchanged (full-length runs; and at 4715 positions, changing tokens 4700-4714 leaves rows 0-4699 bitwise unchanged).", C.CAUSALITY, _ANSWERS),
+    Rule("CAUSAL-PREFIX-BITWISE", "Changing only token t leaves every logit row before t bitwise unchanged (full-length runs, drawn ones and t = 4700-4714 of 4715).", C.CAUSALITY, _ANSWERS),
     Rule("CAUSAL-POSITION-CHANGES", "Changing token t changes logit row t.", C.CAUSALITY, _EVIDENCE),
     Rule("CAUSAL-LONG-REACH", "At 4715 positions in one block, setting tokens 0-618 to another token changes logit row 4714: the last row sees every earlier key.", C.CAUSALITY, f"{_LAYER} (causal attention: every position up to its own); project rule: an attention window carried over from another model (Mistral's 4096 keys) hides the first keys from rows past it, at any precision, where a 16-bit bound at 4715 positions is too wide to see it"),
     Rule("BATCH-INDEPENDENCE", "A sequence's logits do not depend on the other sequences in its batch.", C.BATCH, _FORMULA),
