@@ -24,8 +24,12 @@ Traps:
   value-and-gradient are jitted whole (:attr:`JaxBackend.compiled`), keyed by the shapes
   and the head count only: the RoPE base, epsilon and the tied-role switches are traced
   arguments, so one compiled loss serves all three roles and every epsilon. They are
-  compiled without LLVM's optimizations, which halves compile time and costs nothing
-  measurable at run time on these sizes (the 4096-token pass too).
+  compiled without LLVM's optimizations, which halves compile time, and with XLA:CPU's
+  loop emitters in place of its newer fusion emitters, which halves it again (a loss of one
+  or two layers 0.8 s, then 0.4 s); neither costs anything measurable at run time on these
+  sizes (the 4715-token passes too). Host arrays go over with ``jax.device_put``:
+  ``jnp.asarray`` compiles a conversion for every new shape. A ci run made 470
+  compilations and spent 210 of its 260 s on them; before these two changes, 384 s.
 - **Executables pile up.** Every executable XLA:CPU compiles holds about 70 memory maps and
   10 MB until JAX's caches let it go, and the default profile compiles thousands: past the
   kernel's 65530 maps (``vm.max_map_count``) compilation dies with a segmentation fault.
@@ -275,9 +279,9 @@ def _loss_and_zero_rows(
 
 
 _value_and_gradient = jax.value_and_grad(_loss_and_zero_rows, has_aux=True)
-# LLVM's optimizations double XLA's compile time and save nothing measurable on the sizes
-# the suite runs (the 4096-token pass included); nearly every call brings a new shape.
-_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+# LLVM's optimizations and the fusion emitters each double XLA's compile time and save
+# nothing measurable on the sizes the suite runs; nearly every call brings a new shape.
+_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 _compiled_pass = jax.jit(decoder_pass, static_argnames="heads", compiler_options=_COMPILER_OPTIONS)
 _compiled_value_and_gradient = jax.jit(
     _value_and_gradient, static_argnames="heads", compiler_options=_COMPILER_OPTIONS
@@ -354,6 +358,14 @@ def _allocation_refused(ids: jax.Array) -> Iterator[None]:
         ) from None
 
 
+def _on_device(array: npt.NDArray[Any] | np.generic) -> jax.Array:
+    """A private copy of a host array on the device, in its own dtype. ``jnp.asarray`` and
+    ``jnp.array(..., dtype=)`` compile a conversion for every new shape (20-50 ms each);
+    a transfer compiles nothing."""
+    copied: jax.Array = jax.device_put(np.array(array, copy=True))
+    return copied
+
+
 def _host_copy(array: jax.Array, dtype: np.dtype[Any], what: str) -> FloatArray:
     """A float64 numpy copy of ``array``, which must have the backend's dtype."""
     _require_dtype(array, dtype, what)
@@ -377,8 +389,8 @@ class JaxBackend(BackendBase):
         """The RoPE base (its angles are float64 work) and epsilon (in the compute dtype, so
         that it promotes nothing) as arrays, which a compiled pass takes as arguments."""
         return (
-            jnp.asarray(float(config.rope_base), dtype=np.float64),
-            jnp.asarray(float(config.rms_epsilon), dtype=self.dtype),
+            _on_device(np.float64(config.rope_base)),
+            _on_device(np.asarray(config.rms_epsilon, dtype=self.dtype)),
         )
 
     def build(self, config: DecoderConfig, parameters: Parameters) -> JaxDecoder:
@@ -386,7 +398,7 @@ class JaxBackend(BackendBase):
         entries = list(parameters)
         refuse(rebuild_violation(config, entries))
         arrays = {
-            name: jnp.array(np.asarray(value, dtype=np.float64), dtype=self.dtype)
+            name: _on_device(np.asarray(value, dtype=np.float64).astype(self.dtype, copy=False))
             for name, value in entries
         }
         for name, array in arrays.items():
@@ -420,7 +432,7 @@ class JaxBackend(BackendBase):
         config = model.config
         refuse(token_violation(config, tokens, shape))
         array = np.asarray(tokens, dtype=np.int64)
-        ids = jnp.asarray(array.reshape(shape) if shape is not None else array)
+        ids = _on_device(array.reshape(shape) if shape is not None else array)
         _release_executables_past_the_budget()
         with _allocation_refused(ids):
             run_pass = _compiled_pass if self.compiled else decoder_pass
@@ -448,8 +460,8 @@ class JaxBackend(BackendBase):
         _require_x64()
         config = model.config
         refuse(loss_violation(config, tokens, targets))
-        ids = jnp.asarray(np.asarray(tokens, dtype=np.int64))
-        labels = jnp.asarray(np.asarray(targets, dtype=np.int64).reshape(-1))
+        ids = _on_device(np.asarray(tokens, dtype=np.int64))
+        labels = _on_device(np.asarray(targets, dtype=np.int64).reshape(-1))
         value_and_gradient = _compiled_value_and_gradient if self.compiled else _value_and_gradient
         _release_executables_past_the_budget()
         with _allocation_refused(ids):
