@@ -13,6 +13,8 @@ import pytest
 
 import conformance.tools.mutants as catalogue
 from conformance.adapter import BackendBase, load_backend
+from conformance.report import Report, RuleResult
+from conformance.tools import mutant_runner
 from conformance.tools.mutant_runner import (
     check_reproductions,
     judge_control,
@@ -22,7 +24,7 @@ from conformance.tools.mutant_runner import (
 )
 from conformance.tools.mutants import CONTROLS, MUTANTS, Mutant, mutant_named
 from conformance.tools.mutants.base import MutantBackend
-from spec.rules import RuleCategory, rule
+from spec.rules import RULES, RuleCategory, rule
 
 
 def _mutant_classes() -> list[type[BackendBase]]:
@@ -70,6 +72,51 @@ def test_an_unknown_mutant_is_named() -> None:
         mutant_named("frobnicated")
     with pytest.raises(KeyError, match="no mutant named frobnicated"):
         run_catalogue(only=["frobnicated"])
+
+
+def _judged_with(
+    monkeypatch: pytest.MonkeyPatch, failing: set[str]
+) -> tuple[mutant_runner.MutantResult, list[list[str]]]:
+    """``judge_mutant`` on a mutant related to the parameters, against a stand-in suite in
+    which exactly the rules ``failing`` fail; also the rules each run was asked for."""
+    asked: list[list[str]] = []
+
+    def suite(
+        adapter: str, *, rules: list[str], stop_on_categories: list[str], **_: object
+    ) -> Report:
+        asked.append(list(rules))
+        assert stop_on_categories == (["parameters"] if rules else [])
+        chosen = [r for r in RULES if not rules or r.id in rules]
+        results = [
+            RuleResult(r.id, r.category.value, r.statement,
+                       "failed" if r.id in failing else "passed", message=f"{r.id} broke")
+            for r in chosen
+        ]  # fmt: skip
+        return Report(status=1 if any(r.status == "failed" for r in results) else 0, rules=results)
+
+    monkeypatch.setattr(mutant_runner, "run_suite", suite)
+    entry = Mutant("stand-in", "stand_in:Backend", "a stand-in", "PARAM-NAMES",
+                   frozenset({RuleCategory.PARAMETERS}))  # fmt: skip
+    return judge_mutant(entry), asked
+
+
+def test_a_mutant_run_asks_for_its_related_rules_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    result, asked = _judged_with(monkeypatch, {"ERR-CONFIG-KIND", "PARAM-NAMES"})
+    assert asked == [[r.id for r in RULES if r.category is RuleCategory.PARAMETERS]]
+    assert (result.verdict, result.first_failed_rule, result.as_expected) == (
+        "killed", "PARAM-NAMES", True)  # fmt: skip
+
+
+def test_without_a_related_failure_the_whole_suite_names_the_killer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    result, asked = _judged_with(monkeypatch, {"ERR-CONFIG-KIND"})
+    assert len(asked) == 2 and asked[1] == []  # then every rule
+    assert (result.verdict, result.first_failed_rule, result.related) == (
+        "killed", "ERR-CONFIG-KIND", False)  # fmt: skip
+    assert not result.as_expected
+    survived, _ = _judged_with(monkeypatch, set())
+    assert (survived.verdict, survived.as_expected) == ("survived", False)
 
 
 # One test per mutant and per control, so that `pytest -m slow -n 2` spreads the catalogue
