@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from conformance.profiles import runs_rule
 from conformance.report import Report
 from conformance.runner import run_suite
+from spec.rules import RULES
 
 pytest.importorskip("torch")
 
@@ -37,9 +39,16 @@ def readme_block(marker: str) -> str:
     return match.group(1)
 
 
-def tutorial(folder: Path, bug: tuple[str, str, str] | None = None) -> Report:
+def tutorial(
+    folder: Path,
+    bug: tuple[str, str, str] | None = None,
+    *,
+    first: str | None = None,
+    also: tuple[str, ...] = (),
+) -> Report:
     """The tutorial's files saved in ``folder`` and checked from there, at ``ci`` (a bug's
-    run without shrinking: the same rules fail, sooner)."""
+    run without shrinking: the same rules fail, sooner). With ``first``, only the rules up
+    to it in registry order (the rules that could fail before it) and ``also`` run."""
     files = {"llama.py": readme_block("tutorial-model"),
              "llama_backend.py": readme_block("tutorial-adapter")}  # fmt: skip
     if bug is not None:
@@ -49,9 +58,14 @@ def tutorial(folder: Path, bug: tuple[str, str, str] | None = None) -> Report:
     for name, text in files.items():
         (folder / name).write_text(text, encoding="utf-8")
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    rules: list[str] = []
+    if first is not None:
+        ids = [r.id for r in RULES if runs_rule("ci", r.id)]
+        rules = [*ids[: ids.index(first) + 1], *also]
     return run_suite(
-        ADAPTER, profile="ci", cwd=folder, environment={"PYTHONPATH": path}, shrink=bug is None
-    )
+        ADAPTER, profile="ci", cwd=folder, environment={"PYTHONPATH": path},
+        shrink=bug is None, rules=rules,
+    )  # fmt: skip
 
 
 def test_the_tutorial_passes_every_rule_it_does_not_skip(tmp_path: Path) -> None:
@@ -68,7 +82,9 @@ def test_the_tutorial_passes_every_rule_it_does_not_skip(tmp_path: Path) -> None
 def test_forgetting_the_rope_layout_fails_value_stages_first_with_the_hint(
     tmp_path: Path,
 ) -> None:
-    report = tutorial(tmp_path, ROPE_LAYOUT_FORGOTTEN)
+    report = tutorial(
+        tmp_path, ROPE_LAYOUT_FORGOTTEN, first="VALUE-STAGES", also=("VALUE-SEED-FIXTURE",)
+    )
     assert report.status == 1
     assert report.failed()[0].id == "VALUE-STAGES", [rule.id for rule in report.failed()]
     assert report.rule("VALUE-SEED-FIXTURE").status == "passed"  # head width 2 cannot tell
@@ -77,7 +93,9 @@ def test_forgetting_the_rope_layout_fails_value_stages_first_with_the_hint(
 
 
 def test_a_copied_head_fails_tie_output_role_first(tmp_path: Path) -> None:
-    report = tutorial(tmp_path, HEAD_COPIED_NOT_TIED)
+    report = tutorial(
+        tmp_path, HEAD_COPIED_NOT_TIED, first="TIE-OUTPUT-ROLE", also=("VALUE-LOGITS",)
+    )
     assert report.status == 1
     assert report.failed()[0].id == "TIE-OUTPUT-ROLE", [rule.id for rule in report.failed()]
     assert report.rule("VALUE-LOGITS").status == "passed"
