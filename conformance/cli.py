@@ -283,8 +283,9 @@ def _add_suite_commands(commands: Any) -> None:
     mutants.add_argument(
         "--whole-suite",
         action="store_true",
-        help="run every rule against each mutant (by default a run ends at the mutant's first "
-        "failure of a related rule, which is the rule that kills it)",
+        help="run every rule against each mutant (by default only the rules of the mistake's "
+        "categories run, up to the first failure, which is the rule that kills it; the whole "
+        "suite runs only when none of them fails)",
     )
     matrix = commands.add_parser(
         "matrix",
