@@ -358,11 +358,11 @@ def _allocation_refused(ids: jax.Array) -> Iterator[None]:
         ) from None
 
 
-def _on_device(array: npt.NDArray[Any] | np.generic) -> jax.Array:
-    """A private copy of a host array on the device, in its own dtype. ``jnp.asarray`` and
-    ``jnp.array(..., dtype=)`` compile a conversion for every new shape (20-50 ms each);
-    a transfer compiles nothing."""
-    copied: jax.Array = jax.device_put(np.array(array, copy=True))
+def _on_device(values: npt.ArrayLike, dtype: npt.DTypeLike) -> jax.Array:
+    """A private copy of host values on the device, converted to ``dtype`` on the host.
+    ``jnp.asarray`` and ``jnp.array(..., dtype=)`` compile a conversion for every new shape
+    (20-50 ms each); a transfer compiles nothing."""
+    copied: jax.Array = jax.device_put(np.array(values, dtype=dtype, copy=True))
     return copied
 
 
@@ -389,8 +389,8 @@ class JaxBackend(BackendBase):
         """The RoPE base (its angles are float64 work) and epsilon (in the compute dtype, so
         that it promotes nothing) as arrays, which a compiled pass takes as arguments."""
         return (
-            _on_device(np.float64(config.rope_base)),
-            _on_device(np.asarray(config.rms_epsilon, dtype=self.dtype)),
+            _on_device(config.rope_base, np.float64),
+            _on_device(config.rms_epsilon, self.dtype),
         )
 
     def build(self, config: DecoderConfig, parameters: Parameters) -> JaxDecoder:
@@ -398,7 +398,7 @@ class JaxBackend(BackendBase):
         entries = list(parameters)
         refuse(rebuild_violation(config, entries))
         arrays = {
-            name: _on_device(np.asarray(value, dtype=np.float64).astype(self.dtype, copy=False))
+            name: _on_device(np.asarray(value, dtype=np.float64), self.dtype)
             for name, value in entries
         }
         for name, array in arrays.items():
@@ -432,7 +432,7 @@ class JaxBackend(BackendBase):
         config = model.config
         refuse(token_violation(config, tokens, shape))
         array = np.asarray(tokens, dtype=np.int64)
-        ids = _on_device(array.reshape(shape) if shape is not None else array)
+        ids = _on_device(array.reshape(shape) if shape is not None else array, np.int64)
         _release_executables_past_the_budget()
         with _allocation_refused(ids):
             run_pass = _compiled_pass if self.compiled else decoder_pass
@@ -460,8 +460,8 @@ class JaxBackend(BackendBase):
         _require_x64()
         config = model.config
         refuse(loss_violation(config, tokens, targets))
-        ids = _on_device(np.asarray(tokens, dtype=np.int64))
-        labels = _on_device(np.asarray(targets, dtype=np.int64).reshape(-1))
+        ids = _on_device(tokens, np.int64)
+        labels = _on_device(np.asarray(targets, dtype=np.int64).reshape(-1), np.int64)
         value_and_gradient = _compiled_value_and_gradient if self.compiled else _value_and_gradient
         _release_executables_past_the_budget()
         with _allocation_refused(ids):

@@ -91,7 +91,7 @@ def judge_mutant(
     report, seconds = None, 0.0
     if not whole_suite:
         report, seconds = _run_one(mutant.adapter, None, repro_dir, mutant.related)
-    if report is None or (report.status == 0 and not report.failed()):
+    if report is None or report.status == 0:  # no related rule failed
         report, more = _run_one(mutant.adapter, None, repro_dir)
         seconds += more
     failed = report.failed()
