@@ -24,11 +24,36 @@ import numpy as np
 
 from conformance.adapter import Backend, Refusal
 from conformance.coverage import RECORDER
+from spec.errors import ErrorKind
 
-__all__ = ["METHODS", "AdapterFault", "GuardedBackend", "adapter_location"]
+__all__ = ["METHODS", "AdapterFault", "GuardedBackend", "adapter_location", "allocation_hint"]
 
 # The calls a rule test makes of a backend.
 METHODS = ("build", "build_seeded", "initialize", "parameters", "forward", "loss")
+
+# How frameworks say an allocation failed, besides MemoryError: numpy's "array is too big",
+# torch's DefaultCPUAllocator and CUDA "out of memory", XLA's RESOURCE_EXHAUSTED.
+_ALLOCATION_WORDS = ("allocate", "too big", "out of memory", "resource_exhausted")
+
+
+def allocation_hint(method: str, error: BaseException) -> str:
+    """What an allocation failure escaping ``method`` should have been, or "" for another
+    error: the spec classifies sizes the machine cannot hold as refusals, and a port that
+    lets its framework's out-of-memory error through is the commonest way to fail them."""
+    text = str(error).lower()
+    if not (isinstance(error, MemoryError) or any(word in text for word in _ALLOCATION_WORDS)):
+        return ""
+    if method in ("build", "build_seeded", "initialize"):
+        kind, what = ErrorKind.PARAMETER_ALLOCATION_FAILED, "parameters"
+    elif method in ("forward", "loss"):
+        kind, what = ErrorKind.ACTIVATION_ALLOCATION_FAILED, "a pass's working memory"
+    else:
+        return ""
+    return (
+        f"An allocation that fails for {what} is the spec's refusal {kind}, not an error: "
+        f"catch it in the adapter and raise Refusal(ErrorKind.{kind.name}, message) "
+        "(ERR-RESOURCES; README, 'Check your own implementation')."
+    )
 
 
 def adapter_location(error: BaseException, adapter_file: str | None) -> str:
@@ -104,7 +129,8 @@ class GuardedBackend:
             f"adapter error in {method}: {type(error).__name__}: {' '.join(lines[0].split())} "
             f"({location}); call: {self._describe_call(method, arguments)}"
         )
-        return "\n".join([first, *lines[1:]])
+        hint = allocation_hint(method, error)
+        return "\n".join([first, *([hint] if hint else []), *lines[1:]])
 
     def _guarded(self, method: str, call: Callable[..., Any]) -> Callable[..., Any]:
         def guarded(*arguments: Any, **keywords: Any) -> Any:
