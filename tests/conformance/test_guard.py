@@ -44,6 +44,7 @@ def _fault(method: str, error: Exception) -> str:
         ("forward", MemoryError("Unable to allocate 512. GiB for an array"), "ACTIVATION"),
         ("forward", RuntimeError("DefaultCPUAllocator: can't allocate memory"), "ACTIVATION"),
         ("build", ValueError("array is too big; `arr.size * arr.itemsize` is larger"), "PARAMETER"),
+        ("build", RuntimeError("backend failed 'build' ('internal'): std::bad_alloc"), "PARAMETER"),
     ],
 )
 def test_an_escaped_allocation_failure_is_told_which_refusal_it_should_be(
