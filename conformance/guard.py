@@ -34,7 +34,9 @@ METHODS = ("build", "build_seeded", "initialize", "parameters", "forward", "loss
 # How frameworks say an allocation failed, besides MemoryError: numpy's "array is too big",
 # torch's DefaultCPUAllocator and CUDA "out of memory", XLA's RESOURCE_EXHAUSTED, and C++'s
 # std::bad_alloc in a subprocess backend's error message.
-_ALLOCATION_WORDS = ("allocate", "too big", "out of memory", "resource_exhausted", "bad_alloc")
+_ALLOCATION_WORDS = (
+    "allocate", "array is too big", "out of memory", "resource_exhausted", "bad_alloc",
+)  # fmt: skip
 
 
 def allocation_hint(method: str, error: BaseException) -> str:

@@ -59,4 +59,5 @@ def test_other_adapter_errors_get_no_allocation_advice() -> None:
     message = _fault("forward", IndexError("index 5 is out of bounds for axis 0 with size 3"))
     assert message.startswith("adapter error in forward: IndexError: index 5 is out of bounds")
     assert "Refusal" not in message
+    assert allocation_hint("forward", ValueError("token 9 is too big for a table of 5")) == ""
     assert allocation_hint("parameters", MemoryError()) == ""  # no refusal kind for a read
