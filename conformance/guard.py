@@ -30,6 +30,8 @@ __all__ = ["METHODS", "AdapterFault", "GuardedBackend", "adapter_location", "all
 
 # The calls a rule test makes of a backend.
 METHODS = ("build", "build_seeded", "initialize", "parameters", "forward", "loss")
+# Those that make a model, and so can fail to allocate its parameters.
+CONSTRUCTORS = ("build", "build_seeded", "initialize")
 
 # How frameworks say an allocation failed, besides MemoryError: numpy's "array is too big",
 # torch's DefaultCPUAllocator and CUDA "out of memory", XLA's RESOURCE_EXHAUSTED, and C++'s
@@ -46,7 +48,7 @@ def allocation_hint(method: str, error: BaseException) -> str:
     text = str(error).lower()
     if not (isinstance(error, MemoryError) or any(word in text for word in _ALLOCATION_WORDS)):
         return ""
-    if method in ("build", "build_seeded", "initialize"):
+    if method in CONSTRUCTORS:
         kind, what = ErrorKind.PARAMETER_ALLOCATION_FAILED, "parameters"
     elif method in ("forward", "loss"):
         kind, what = ErrorKind.ACTIVATION_ALLOCATION_FAILED, "a pass's working memory"
@@ -114,7 +116,7 @@ class GuardedBackend:
         return value
 
     def _describe_call(self, method: str, arguments: tuple[Any, ...]) -> str:
-        if method in ("build", "build_seeded", "initialize") and arguments:
+        if method in CONSTRUCTORS and arguments:
             return f"{method}({arguments[0]!r}, ...)"
         if not arguments:
             return f"{method}()"
@@ -147,7 +149,7 @@ class GuardedBackend:
                 caught = error
             if caught is not None:
                 raise AdapterFault(self._message(method, arguments, caught))
-            if method in ("build", "build_seeded", "initialize") and arguments:
+            if method in CONSTRUCTORS and arguments:
                 self._configs[id(result)] = f"model of {arguments[0]!r}"
                 RECORDER.built(method, arguments)
             RECORDER.answered(method, arguments, result)
