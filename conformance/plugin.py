@@ -195,6 +195,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = kept
+    session.tally.order_tests([item.nodeid for item in items])
     for listed in (session.expected_failures, session.skips):
         if listed is None or session.contract_broken:
             continue

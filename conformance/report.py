@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,22 +197,38 @@ class RuleTally:
         chosen = [r for r in RULES if runs_rule(profile, r.id)]
         return cls({r.id: RuleResult(r.id, str(r.category), r.statement) for r in chosen})
 
-    _messages: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Per rule and outcome: the message of the earliest test in collection order, with
+    # that test's place.
+    _messages: dict[str, dict[str, tuple[int, str]]] = field(default_factory=dict)
     coverage: InputCoverage = field(default_factory=InputCoverage)
+    # Each test's place in the collection: pytest-xdist workers report in the order they
+    # finish, and a rule's message and reproduction must not depend on which came first.
+    _places: dict[str, int] = field(default_factory=dict)
+
+    def order_tests(self, tests: Sequence[str]) -> None:
+        """Name the collection order; a test not in it (the contract check) comes first."""
+        self._places = {test: place for place, test in enumerate(tests)}
 
     def record(
         self, rule_id: str, outcome: str, duration: float, message: str, test: str = ""
     ) -> None:
-        """Fold one test's outcome into its rule."""
+        """Fold one test's outcome into its rule, keeping the rule's tests in collection
+        order and, per outcome, the message of the first."""
         result = self.results[rule_id]
         result.duration += duration
         result.tests += 1
-        result.results.append(TestResult(test, outcome, round(duration, 6)))
+        place = self._places.get(test, -1)
+        later = sum(1 for kept in result.results if self._places.get(kept.test, -1) > place)
+        result.results.insert(
+            len(result.results) - later, TestResult(test, outcome, round(duration, 6))
+        )
         messages = self._messages.setdefault(rule_id, {})
         if message and outcome != "passed":
-            messages.setdefault(outcome, message)
+            earliest = messages.get(outcome)
+            if earliest is None or place < earliest[0]:
+                messages[outcome] = (place, message)
         result.status = _status(result)
-        own = messages.get(result.status, "")
+        own = messages.get(result.status, (0, ""))[1]
         if result.status == "xfailed" and result.count("xpassed"):
             passed = result.count("xpassed")
             own = f"{passed} of {result.count('xfailed') + passed} passed; {own}"

@@ -336,6 +336,11 @@ class SuiteSession:
         """Hand the contract's verdict to an xdist worker."""
         node.workerinput[_WORKER_KEY] = json.dumps(self.contract)
 
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+        """The workers' collection order, which the controller never sees otherwise."""
+        self.tally.order_tests(ids)
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Fold each conformance test's final outcome into its rule, and what it sent into
         the run's coverage."""

@@ -37,6 +37,26 @@ def test_a_rule_takes_its_worst_outcome_and_first_message() -> None:
     )
 
 
+def test_the_first_test_in_collection_order_gives_the_message_whatever_finishes_first() -> None:
+    """Under pytest-xdist a later test can finish first; the message must not change."""
+    tally = RuleTally()
+    tally.order_tests(["t.py::hypothesis_drawn", "t.py::long_context", "t.py::third"])
+    tally.record("CAUSAL-PREFIX-BITWISE", "failed", 0.0, "long context", "t.py::long_context")
+    tally.record("CAUSAL-PREFIX-BITWISE", "passed", 0.0, "", "t.py::third")
+    tally.record("CAUSAL-PREFIX-BITWISE", "failed", 0.0, "drawn", "t.py::hypothesis_drawn")
+    result = tally.results["CAUSAL-PREFIX-BITWISE"]
+    assert result.message == "drawn"
+    assert result.first_failed_test() == "t.py::hypothesis_drawn"
+    assert [r.test for r in result.results] == [
+        "t.py::hypothesis_drawn",
+        "t.py::long_context",
+        "t.py::third",
+    ]
+    # The contract check is no collected test: it stays first.
+    tally.record("CAUSAL-PREFIX-BITWISE", "failed", 0.0, "contract", "contract")
+    assert result.message == "contract" and result.results[0].test == "contract"
+
+
 @pytest.mark.parametrize(
     ("outcomes", "status"),
     [
