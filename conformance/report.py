@@ -29,9 +29,10 @@ JSON schema (``schema_version`` 2)::
 ``status`` is one of ``passed``, ``failed``, ``skipped``, ``xfailed`` (listed as expected to
 fail, and at least one test did; ``message`` then starts with how many passed), ``xpassed``
 (listed as expected, yet every test passed), and ``untested`` (no test ran). ``message``
-holds the first failure, or the skip reason, or is empty. ``seed`` is null for a
-derandomized run (profile ``ci``), whose examples are fixed per test. ``reproduction`` is a
-script that reruns the first failing test and exits 1 while it fails. ``closest_to_bound``
+holds the first failure in collection order (under pytest-xdist too), or the skip reason, or
+is empty; ``results`` keep that order. ``seed`` is null for a derandomized run (profile
+``ci``), whose examples are fixed per test. ``reproduction`` is a script that reruns the
+first failing test and exits 1 while it fails. ``closest_to_bound``
 is the largest ``error / tolerance`` of the rule's passing tolerance checks, the check and the
 test (:mod:`conformance.margins`; null for a rule with none). ``coverage`` is what
 the run sent (:mod:`conformance.coverage`); a reader accepts a report without it.
