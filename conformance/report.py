@@ -237,11 +237,16 @@ class RuleTally:
 
     def note_closest(self, rule_id: str, closest: dict[str, Any], test: str) -> None:
         """One test's closest approach to a bound (:mod:`conformance.margins`), kept if
-        it is the rule's closest so far."""
+        it is the rule's closest so far (on a tie, the earlier test in collection order)."""
         result = self.results.get(rule_id)
         fraction = float(closest.get("fraction", -1.0))
-        if result is None or (result.closest and result.closest["fraction"] >= fraction):
+        if result is None:
             return
+        if result.closest:
+            kept = result.closest["fraction"]
+            earlier = self._places.get(result.closest["test"], -1) <= self._places.get(test, -1)
+            if kept > fraction or (kept == fraction and earlier):
+                return
         result.closest = {
             "fraction": fraction,
             "check": str(closest.get("check", "")),

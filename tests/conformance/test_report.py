@@ -52,6 +52,12 @@ def test_the_first_test_in_collection_order_gives_the_message_whatever_finishes_
         "t.py::long_context",
         "t.py::third",
     ]
+    # Equally close approaches to a bound: the earlier test's is kept, whichever came first.
+    closest = {"fraction": 0.5, "check": "logits"}
+    tally.note_closest("CAUSAL-PREFIX-BITWISE", closest, "t.py::third")
+    tally.note_closest("CAUSAL-PREFIX-BITWISE", closest, "t.py::long_context")
+    tally.note_closest("CAUSAL-PREFIX-BITWISE", closest, "t.py::third")
+    assert result.closest is not None and result.closest["test"] == "t.py::long_context"
     # The contract check is no collected test: it stays first.
     tally.record("CAUSAL-PREFIX-BITWISE", "failed", 0.0, "contract", "contract")
     assert result.message == "contract" and result.results[0].test == "contract"
