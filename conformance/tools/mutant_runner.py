@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -198,18 +200,32 @@ def _run_script(script: Path, *arguments: str) -> subprocess.CompletedProcess[st
     )
 
 
-def _check_script(script: Path) -> ReproductionCheck:
+def _reference_key(script: Path) -> str:
+    """What a script's run against the reference depends on: its rerun call (the test, the
+    profile, its examples, any backend command) less the adapter ``--adapter`` replaces.
+    Scripts of different mutants killed in the same test share it."""
+    text = script.read_text(encoding="utf-8")
+    call = text[text.rindex("sys.exit(") :]
+    kept = [line for line in call.splitlines() if not line.strip().startswith("adapter=")]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:32]
+
+
+def _check_script(script: Path, reference_passes: Path) -> ReproductionCheck:
+    """Against the mutant, then against the reference unless the same rerun passed there
+    already (a file named by its key in ``reference_passes``)."""
     mutant = _run_script(script)
-    reference = _run_script(script, "--adapter", "reference")
-    output = "\n".join(
-        [
-            mutant.stdout[-800:],
-            mutant.stderr[-800:],
-            reference.stdout[-800:],
-            reference.stderr[-800:],
-        ]
-    )
-    return ReproductionCheck(script, mutant.returncode, reference.returncode, output)
+    passed = reference_passes / _reference_key(script)
+    if passed.exists():
+        reference_status = 0
+        reference_output = f"(the same rerun passed against the reference: {passed.name})"
+    else:
+        reference = _run_script(script, "--adapter", "reference")
+        reference_status = reference.returncode
+        reference_output = "\n".join([reference.stdout[-800:], reference.stderr[-800:]])
+        if reference_status == 0:
+            passed.touch()
+    output = "\n".join([mutant.stdout[-800:], mutant.stderr[-800:], reference_output])
+    return ReproductionCheck(script, mutant.returncode, reference_status, output)
 
 
 def killer_scripts(results: list[MutantResult], repro_root: Path) -> list[Path]:
@@ -222,11 +238,20 @@ def killer_scripts(results: list[MutantResult], repro_root: Path) -> list[Path]:
 
 
 def check_reproductions(
-    repro_root: Path, *, scripts: list[Path] | None = None, workers: int = 2
+    repro_root: Path,
+    *,
+    scripts: list[Path] | None = None,
+    workers: int = 2,
+    reference_passes: Path | None = None,
 ) -> list[ReproductionCheck]:
     """Run ``scripts`` (default: every script under ``repro_root``, as written by
     :func:`run_catalogue`) against its mutant and against the reference, ``workers`` at
-    once."""
+    once. A rerun that passed against the reference is not run there again: the same test
+    with the same examples (profile ``ci`` fixes them) computes the same thing whichever
+    mutant's script asks. ``reference_passes`` keeps those passes across calls (one
+    directory per run of the code under test; default: this call's own)."""
     chosen = sorted(repro_root.glob("*/reproduce-*.py")) if scripts is None else scripts
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(_check_script, chosen))
+    with tempfile.TemporaryDirectory(prefix="reference-passes-") as scratch:
+        kept = Path(scratch) if reference_passes is None else reference_passes
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            return list(pool.map(lambda script: _check_script(script, kept), chosen))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pkgutil
 import subprocess
 import sys
@@ -119,22 +120,84 @@ def test_without_a_related_failure_the_whole_suite_names_the_killer(
     assert (survived.verdict, survived.as_expected) == ("survived", False)
 
 
+@pytest.fixture(scope="session")
+def reference_passes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reruns that passed against the reference in this run, shared by its
+    pytest-xdist workers (whose own directories lie in one directory of the run)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    directory = base / "reference-passes"
+    directory.mkdir(exist_ok=True)
+    return directory
+
+
 # One test per mutant and per control, so that `pytest -m slow -n 2` spreads the catalogue
 # over the workers with the other slow tests, and a failure names its mutant.
 @pytest.mark.slow
 @pytest.mark.parametrize("mutant", [pytest.param(m, id=m.name) for m in MUTANTS])
 def test_the_mutant_is_killed_by_a_related_rule_and_its_reproduction_holds(
-    mutant: Mutant, tmp_path: Path
+    mutant: Mutant, tmp_path: Path, reference_passes: Path
 ) -> None:
     """The reproduction script of the killing rule fails against the mutant and passes against
-    the reference. (Every script of a whole-suite run, a few hundred, takes about 20 minutes:
-    ``check_reproductions(root)``.)"""
+    the reference (once per test the catalogue's scripts rerun). (Every script of a
+    whole-suite run, a few hundred, takes about 20 minutes: ``check_reproductions(root)``.)"""
     result = judge_mutant(mutant, tmp_path)
     assert result.as_expected, (result.verdict, result.first_failed_rule, result.detail[:300])
     (script,) = killer_scripts([result], tmp_path)
     assert script.is_file(), script
-    (check,) = check_reproductions(tmp_path, scripts=[script], workers=1)
+    (check,) = check_reproductions(
+        tmp_path, scripts=[script], workers=1, reference_passes=reference_passes
+    )
     assert check.as_expected, (check.against_mutant, check.against_reference, check.output[-600:])
+
+
+def _script(directory: Path, test: str, adapter: str, failure: str) -> Path:
+    """A reproduction script as the runner writes one (only the parts that vary)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / "reproduce-RULE.py"
+    script.write_text(
+        f'"""{failure}"""\n\nimport sys\n\nfrom conformance.repro import rerun\n\n'
+        f"sys.exit(\n    rerun(\n        {test!r},\n        rule_id='RULE',\n"
+        f"        adapter={adapter!r},\n        backend_command=None,\n"
+        f"        profile='ci',\n        argv=sys.argv[1:],\n    )\n)\n"
+    )
+    return script
+
+
+def test_a_rerun_that_passed_against_the_reference_is_not_run_there_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two mutants' scripts of one test differ in adapter and failure only: the reference
+    runs it once; a script of another test, or one that failed there, runs again."""
+    runs: list[tuple[str, ...]] = []
+    failing_on_reference = {"t.py::broken_on_reference"}
+
+    def run_script(script: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
+        test = script.read_text().split("rerun(\n        ")[1].split(",")[0].strip("'")
+        runs.append((script.parent.name, *arguments))
+        status = 1 if not arguments or test in failing_on_reference else 0
+        return subprocess.CompletedProcess([], status, "", "")
+
+    monkeypatch.setattr(mutant_runner, "_run_script", run_script)
+    scripts = [
+        _script(tmp_path / "a", "t.py::one", "m:A", "a failed"),
+        _script(tmp_path / "b", "t.py::one", "m:B", "b failed otherwise"),
+        _script(tmp_path / "c", "t.py::two", "m:C", "c failed"),
+        _script(tmp_path / "d", "t.py::broken_on_reference", "m:D", "d failed"),
+        _script(tmp_path / "e", "t.py::broken_on_reference", "m:E", "e failed"),
+    ]
+    checks = check_reproductions(tmp_path, scripts=scripts, workers=1)
+    assert [c.as_expected for c in checks] == [True, True, True, False, False]
+    against_reference = [name for name, *arguments in runs if arguments]
+    assert against_reference == ["a", "c", "d", "e"]
+    # Kept across calls in a directory of the run: the next call runs none of the passes.
+    kept = tmp_path / "passes"
+    kept.mkdir()
+    runs.clear()
+    check_reproductions(tmp_path, scripts=scripts[:3], workers=1, reference_passes=kept)
+    check_reproductions(tmp_path, scripts=scripts[:3], workers=1, reference_passes=kept)
+    assert [name for name, *arguments in runs if arguments] == ["a", "c"]
 
 
 # The controls themselves, the reference in process and over the subprocess protocol, pass
