@@ -40,6 +40,7 @@ the run sent (:mod:`conformance.coverage`); a reader accepts a report without it
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections.abc import Sequence
@@ -210,6 +211,9 @@ class RuleTally:
         """Name the collection order; a test not in it (the contract check) comes first."""
         self._places = {test: place for place, test in enumerate(tests)}
 
+    def _place(self, test: str) -> int:
+        return self._places.get(test, -1)
+
     def record(
         self, rule_id: str, outcome: str, duration: float, message: str, test: str = ""
     ) -> None:
@@ -218,10 +222,12 @@ class RuleTally:
         result = self.results[rule_id]
         result.duration += duration
         result.tests += 1
-        place = self._places.get(test, -1)
-        later = sum(1 for kept in result.results if self._places.get(kept.test, -1) > place)
-        result.results.insert(
-            len(result.results) - later, TestResult(test, outcome, round(duration, 6))
+        place = self._place(test)
+        # After the tests of the same place: equal places keep their arrival order.
+        bisect.insort(
+            result.results,
+            TestResult(test, outcome, round(duration, 6)),
+            key=lambda kept: self._place(kept.test),
         )
         messages = self._messages.setdefault(rule_id, {})
         if message and outcome != "passed":
@@ -244,7 +250,7 @@ class RuleTally:
             return
         if result.closest:
             kept = result.closest["fraction"]
-            earlier = self._places.get(result.closest["test"], -1) <= self._places.get(test, -1)
+            earlier = self._place(result.closest["test"]) <= self._place(test)
             if kept > fraction or (kept == fraction and earlier):
                 return
         result.closest = {
