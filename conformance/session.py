@@ -173,6 +173,7 @@ class SuiteSession:
         self.contract: list[dict[str, Any]] | None = None  # None: not checked
         self.tally = RuleTally.for_profile(active().name)
         self.ran = False
+        self.interrupted = False
         self._backend: Backend | None = None
         self._guarded: GuardedBackend | None = None
 
@@ -341,6 +342,13 @@ class SuiteSession:
         """The workers' collection order, which the controller never sees otherwise."""
         self.tally.order_tests(ids)
 
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_keyboard_interrupt(self) -> None:
+        """Remember the interrupt before any other plugin's hook can fail on it: pytest
+        passes ``session.exitstatus`` on only after every such hook has returned (its
+        terminal reporter has been seen to raise TypeError rendering the traceback)."""
+        self.interrupted = True
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Fold each conformance test's final outcome into its rule, and what it sent into
         the run's coverage."""
@@ -399,9 +407,15 @@ class SuiteSession:
         """Reproductions, the JSON and Markdown reports (on the controller only)."""
         if hasattr(session.config, "workerinput") or not self.ran:
             return
-        if session.exitstatus == pytest.ExitCode.INTERRUPTED:
+        if self.interrupted or session.exitstatus == pytest.ExitCode.INTERRUPTED:
             # A partial report would look complete: the old files stay as they were.
-            print("\ninterrupted: no report or reproduction written (earlier ones are untouched)")
+            session.exitstatus = pytest.ExitCode.INTERRUPTED
+            notice = "interrupted: no report or reproduction written (earlier ones are untouched)"
+            terminal = session.config.pluginmanager.get_plugin("terminalreporter")
+            if terminal is not None:  # print() is still captured here
+                terminal.write_line("\n" + notice)  # past the progress dots
+            else:
+                sys.stderr.write(notice + "\n")
             return
         if self.contract_broken:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED

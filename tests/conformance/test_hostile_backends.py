@@ -197,7 +197,7 @@ def test_an_interrupted_run_leaves_the_old_reports_untouched(tmp_path: Path) -> 
     assert run.returncode == 130, rest[-2000:]
     assert json_path.read_text() == "old json\n"
     assert markdown_path.read_text() == "old markdown\n"
-    assert "interrupted" in rest
+    assert "interrupted: no report or reproduction written" in rest, rest[-2000:]
 
 
 # Row 7: a 1 GiB answer line.

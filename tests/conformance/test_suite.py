@@ -325,6 +325,42 @@ def test_plugin_reads_the_environment_and_warns_about_stale_xfails(
     )
 
 
+def test_an_interrupt_writes_no_report_even_when_a_plugin_fails_on_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pytest hands the interrupted status to sessionfinish only after every
+    # pytest_keyboard_interrupt hook returned; its own terminal reporter has raised
+    # TypeError there (a traceback entry without a line number), and CI then got a
+    # partial report that looked complete.
+    pytester.makepyfile(
+        failing_on_interrupt="""
+import pytest
+
+calls = 0
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    global calls
+    calls += 1
+    if calls == 2:  # after one test has reported, so there is something to write
+        raise KeyboardInterrupt
+
+def pytest_keyboard_interrupt(excinfo):
+    raise TypeError("unsupported operand type(s) for -: 'NoneType' and 'int'")
+"""
+    )
+    json_path = pytester.path / "report.json"
+    json_path.write_text("old json\n")
+    monkeypatch.setenv("DECODER_CONFORMANCE_ADAPTER", "reference")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "failing_on_interrupt", "--pyargs", "conformance",
+        "--conformance-profile", "ci", "-k", "parameter_count", "--conformance-json",
+        str(json_path),
+    )  # fmt: skip
+    assert result.ret != pytest.ExitCode.OK, result.stdout.str()[-2000:]
+    assert json_path.read_text() == "old json\n"
+
+
 def test_plugin_is_inert_outside_the_suite(pytester: pytest.Pytester) -> None:
     package = pytester.mkpydir("conformance_extra")
     (package / "test_unruled.py").write_text("def test_orphan():\n    pass\n")
