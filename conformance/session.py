@@ -377,6 +377,11 @@ class SuiteSession:
             self.tally.coverage.merge(COVERAGE_RECORDER.take())  # the controller's own calls
             terminalreporter.section("decoder-conformance rules")
             terminalreporter.write(render_table(self.tally, self.identity()))
+            if self.interrupted:
+                terminalreporter.write_line(
+                    "interrupted: only the tests that ended before the interrupt are counted "
+                    "above; this is not a verdict"
+                )
             terminalreporter.section("decoder-conformance input coverage")
             at_scale = active().name == SCALE_PROFILE
             coverage = self.tally.coverage.as_dict()

@@ -359,6 +359,13 @@ def pytest_keyboard_interrupt(excinfo):
     )  # fmt: skip
     assert result.ret != pytest.ExitCode.OK, result.stdout.str()[-2000:]
     assert json_path.read_text() == "old json\n"
+    result.stdout.fnmatch_lines(
+        [
+            "interrupted: no report or reproduction written (earlier ones are untouched)",
+            "1 passed, * untested",
+            "interrupted: only the tests that ended before the interrupt are counted above*",
+        ]
+    )
 
 
 def test_plugin_is_inert_outside_the_suite(pytester: pytest.Pytester) -> None:
