@@ -15,6 +15,7 @@ import pytest
 import conformance.tools.mutants as catalogue
 from conformance.adapter import BackendBase, load_backend
 from conformance.report import Report, RuleResult
+from conformance.repro import reproduction_script
 from conformance.tools import mutant_runner
 from conformance.tools.mutant_runner import (
     check_reproductions,
@@ -153,14 +154,21 @@ def test_the_mutant_is_killed_by_a_related_rule_and_its_reproduction_holds(
 
 
 def _script(directory: Path, test: str, adapter: str, failure: str) -> Path:
-    """A reproduction script as the runner writes one (only the parts that vary)."""
+    """A reproduction script as the suite writes one, of one mutant's failure in ``test``."""
     directory.mkdir(parents=True, exist_ok=True)
     script = directory / "reproduce-RULE.py"
     script.write_text(
-        f'"""{failure}"""\n\nimport sys\n\nfrom conformance.repro import rerun\n\n'
-        f"sys.exit(\n    rerun(\n        {test!r},\n        rule_id='RULE',\n"
-        f"        adapter={adapter!r},\n        backend_command=None,\n"
-        f"        profile='ci',\n        argv=sys.argv[1:],\n    )\n)\n"
+        reproduction_script(
+            rule_id="RULE",
+            message=failure,
+            test=test,
+            adapter=adapter,
+            backend_command=None,
+            backend_timeout=60.0,
+            profile="ci",
+            max_examples=None,
+            seed=None,
+        )
     )
     return script
 
