@@ -202,25 +202,42 @@ def test_token_checks_run_in_order(
 
 
 def _token_rule_pairs(scenario: Scenario) -> list[tuple[Any, tuple[int, int] | None, ErrorKind]]:
-    """Inputs that break two token rules at once, with the earlier rule's kind."""
+    """Inputs that break two token rules at once, with the earlier rule's kind: every pair of
+    dtype, rank, batch, length, context, overflow, count and ID that one input can break
+    (an empty batch or sequence holds no IDs and cannot overflow; a sequence cannot be empty
+    and too long), so a port that checks any two of them the other way round fails."""
     config, tokens = scenario.config, scenario.tokens
     vocabulary, context = config.vocabulary_size, config.context
-    batch = tokens.shape[0]
+    batch, length = tokens.shape
     bad_ids = tokens.copy()
     bad_ids.flat[-1] = vocabulary
+    bad_flat = bad_ids.reshape(-1)
+    one_id = np.array([vocabulary], dtype=np.int64)  # one bad ID, as a flat array
+    floats = np.full(3, 0.5)  # non-integer IDs, flat
+    # B*T past 2**64 - 1, with T within the context, or past it.
+    overflowing = (2**64 // context + 1, context)
+    overflowing_and_long = (2**64 // (context + 1) + 1, context + 1)
+    dtype, rank = ErrorKind.TOKEN_DTYPE, ErrorKind.TOKEN_RANK
     return [
-        (bad_ids.astype(np.float64), None, ErrorKind.TOKEN_DTYPE),  # dtype before ID
-        (bad_ids.reshape(-1), None, ErrorKind.TOKEN_RANK),  # rank before ID
+        (bad_ids.astype(np.float64), None, dtype),  # dtype before ID
+        (floats, None, dtype),  # dtype before rank
+        (floats, (0, 3), dtype),  # dtype before batch
+        (floats, (3, 0), dtype),  # dtype before length
+        (np.full((batch, context + 1), 0.5), None, dtype),  # dtype before context
+        (floats, overflowing, dtype),  # dtype before overflow
+        (floats, (batch, length + 1), dtype),  # dtype before count
+        (bad_flat, None, rank),  # rank before ID
+        (np.zeros((1, batch, context + 1), dtype=np.int64), None, rank),  # rank before context
+        (np.zeros((0, 0), dtype=np.int64), None, ErrorKind.EMPTY_BATCH),  # batch before length
+        (np.zeros((0, context + 1), dtype=np.int64), None, ErrorKind.EMPTY_BATCH),  # .. context
+        (one_id, (0, length), ErrorKind.EMPTY_BATCH),  # batch before count
+        (one_id, (batch, 0), ErrorKind.EMPTY_TOKENS),  # length before count
         (np.full((batch, context + 1), vocabulary), None, ErrorKind.CONTEXT_LENGTH_EXCEEDED),
-        (np.full((batch, context + 1), 0.5), None, ErrorKind.TOKEN_DTYPE),  # dtype before context
-        (bad_ids.reshape(-1)[:-1], tokens.shape, ErrorKind.TOKEN_COUNT_MISMATCH),  # count first
-        (np.zeros((batch, 0), dtype=np.int64), None, ErrorKind.EMPTY_TOKENS),
-        # B*T past 2**64 - 1 with T within the context: overflow before the count.
-        (
-            bad_ids.reshape(-1),
-            (2**64 // context + 1, context),
-            ErrorKind.TOKEN_COUNT_OVERFLOW,
-        ),
+        (one_id, overflowing_and_long, ErrorKind.CONTEXT_LENGTH_EXCEEDED),  # before overflow
+        (bad_flat, (batch, context + 1), ErrorKind.CONTEXT_LENGTH_EXCEEDED),  # before count
+        (one_id, overflowing, ErrorKind.TOKEN_COUNT_OVERFLOW),  # overflow before count and ID
+        # One ID more than B*T, the last of them out of range: the count first.
+        (np.concatenate([bad_flat, one_id]), (batch, length), ErrorKind.TOKEN_COUNT_MISMATCH),
     ]
 
 
@@ -290,13 +307,15 @@ def test_targets_must_be_one_per_token(
 def test_out_of_vocabulary_target_names_its_position(
     backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
 ) -> None:
-    """Every kind of bad ID is tried at a drawn position, and -100 too: PyTorch's
-    cross_entropy skips such targets (its ignore_index) without a word."""
-    position = data.draw(st.integers(0, scenario.targets.size - 1))
+    """Every kind of bad ID is tried at one or two drawn positions (the first is named), and
+    -100 too: PyTorch's cross_entropy skips such targets (its ignore_index) without a word."""
+    positions = sorted(
+        data.draw(st.sets(st.integers(0, scenario.targets.size - 1), min_size=1, max_size=2))
+    )
     model = scenario.build(backend)
     for bad_id in [*out_of_vocabulary_ids(scenario.config.vocabulary_size), -100]:
         targets = scenario.targets.copy()
-        targets.flat[position] = bad_id
+        targets.flat[positions] = bad_id
         check = judge.on(
             dataclasses.replace(
                 scenario.case("backend.loss(model, tokens, targets)", bad_id=bad_id),
@@ -306,7 +325,7 @@ def test_out_of_vocabulary_target_names_its_position(
         check.refused(
             functools.partial(backend.loss, model, scenario.tokens, targets),
             ErrorKind.TARGET_ID_OUT_OF_BOUNDS,
-            position=position,
+            position=positions[0],
         )
 
 
@@ -339,6 +358,8 @@ def _loss_rule_pairs(
     if bad_short_targets.size:
         bad_short_targets[0] = vocabulary
     too_long = np.zeros((tokens.shape[0], config.context + 1), dtype=np.int64)
+    # One fewer (two when there is one target: an empty float array holds no non-integer).
+    wrong_count_floats = np.full(targets.size - 1 or 2, 0.5)
     return [
         ("a bad token ID with too few targets", bad_tokens, short_targets,
          ErrorKind.TARGET_COUNT_MISMATCH),
@@ -354,6 +375,14 @@ def _loss_rule_pairs(
          ErrorKind.TARGET_COUNT_MISMATCH),
         ("non-integer targets out of range", tokens, np.full(targets.shape, vocabulary + 0.5),
          ErrorKind.TARGET_DTYPE),
+        ("non-integer targets of the wrong count", tokens, wrong_count_floats,
+         ErrorKind.TARGET_DTYPE),
+        ("non-integer targets, one too many", tokens, long_targets.astype(np.float64),
+         ErrorKind.TARGET_DTYPE),
+        ("an empty batch with non-integer targets", tokens[:0], np.full(3, 0.5),
+         ErrorKind.EMPTY_BATCH),
+        ("empty sequences with a bad target ID", tokens[:, :0], np.array([vocabulary]),
+         ErrorKind.EMPTY_TOKENS),
         ("a too-long sequence with too few targets", too_long, short_targets,
          ErrorKind.CONTEXT_LENGTH_EXCEEDED),
         ("float tokens with a bad target ID", bad_tokens.astype(np.float64), bad_targets,
@@ -452,7 +481,59 @@ def _rebuild_refusal(
             entries=[(name, np.asarray(value).shape) for name, value in entries],
         )
     )
-    check.refused(lambda: backend.build(scenario.config, entries), expected)
+    violation = rebuild_violation(scenario.config, entries)
+    assert violation is not None and violation.kind is expected  # the spec sees the same
+    # The index a refusal names is part of it (a count mismatch names none).
+    index = {"index": violation.details["index"]} if "index" in violation.details else {}
+    check.refused(lambda: backend.build(scenario.config, entries), expected, **index)
+
+
+def _refused_first_of_two(
+    backend: Backend,
+    judge: Judge,
+    scenario: Scenario,
+    *,
+    changes: dict[int, Any],
+    expected: ErrorKind,
+    index: int,
+    label: str,
+) -> None:
+    """A parameter list with two tensors changed (by index), each breaking its own rule: the
+    rule checked first over the whole list is reported, at its index, wherever the other is."""
+    entries = [(name, np.asarray(value)) for name, value in scenario.parameters()]
+    for at, change in changes.items():
+        entries[at] = (entries[at][0], change(entries[at][1]))
+    case = scenario.case(
+        "backend.build(config, entries)",
+        entries=[(name, value.shape, str(value.dtype)) for name, value in entries],
+    )
+    judge.on(case).refused(
+        lambda: backend.build(scenario.config, entries),
+        expected,
+        what=f"refusal kind for {label}",
+        reason=REBUILD_ORDER,
+        index=index,
+    )
+
+
+REBUILD_ORDER = (
+    "the rebuild order: configuration, tensor count, every name, then every shape, every "
+    "dtype, every value, each over the whole list (the first tensor breaking the rule)"
+)
+
+
+def _misshaped(value: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return np.zeros(tuple(size + 1 for size in value.shape))
+
+
+def _complex(value: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return value.astype(np.complex128)
+
+
+def _with_nan(value: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    broken = value.astype(np.float64)
+    broken.flat[0] = np.nan
+    return broken
 
 
 @pytest.mark.rule("ERR-REBUILD-COUNT")
@@ -490,6 +571,15 @@ def test_parameter_shapes_are_checked(
     backend: Backend, judge: Judge, scenario: Scenario, data: st.DataObject
 ) -> None:
     _rebuild_refusal(backend, judge, scenario, data, {ErrorKind.PARAMETER_SHAPE_MISMATCH})
+    # A wrong shape late in the list beats a wrong dtype or a NaN early in it.
+    last = len(scenario.parameters()) - 1
+    shape = ErrorKind.PARAMETER_SHAPE_MISMATCH
+    for early, what in ((_complex, "a complex tensor"), (_with_nan, "a NaN")):
+        label = f"{what} at index 0 and a wrong shape at index {last}"
+        changes = {0: early, last: _misshaped}
+        _refused_first_of_two(
+            backend, judge, scenario, changes=changes, expected=shape, index=last, label=label
+        )
 
 
 @pytest.mark.rule("ERR-REBUILD-VALUES")
@@ -562,6 +652,15 @@ def test_parameters_of_other_dtypes(
 ) -> None:
     scenario.reject_departures(backend)
     entries = scenario.parameters()
+    if dtype in ("complex128", "bool"):
+        # A wrong dtype late in the list beats a NaN early in it.
+        last = len(entries) - 1
+        changes = {0: _with_nan, last: lambda value: value.astype(dtype)}
+        label = f"a NaN at index 0 and a {dtype} tensor at index {last}"
+        kind = ErrorKind.PARAMETER_DTYPE
+        _refused_first_of_two(
+            backend, judge, scenario, changes=changes, expected=kind, index=last, label=label
+        )
     index = data.draw(st.integers(0, len(entries) - 1), label="index")
     name, value = entries[index]
     # Rounded away from zero, so no row becomes all zeros (with epsilon 0 that row's norm

@@ -155,8 +155,28 @@ def runs(
     return build()
 
 
-def _break(config: DecoderConfig, kind: ErrorKind, draw: st.DrawFn) -> DecoderConfig:
-    """``config`` with rule ``kind`` broken and every other field untouched."""
+_CONFIG_ORDER_WITH_TYPES = (ErrorKind.CONFIG_FIELD_TYPE, *CONFIG_RULE_ORDER)
+
+# The fields each configuration rule reads: a wrong-typed field chosen outside them leaves
+# that rule broken beside the type error.
+_RULE_FIELDS: dict[ErrorKind, frozenset[str]] = {
+    ErrorKind.EMPTY_VOCABULARY: frozenset({"vocabulary_size"}),
+    ErrorKind.ZERO_MODEL_WIDTH: frozenset({"model_width"}),
+    ErrorKind.ZERO_HEAD_COUNT: frozenset({"heads"}),
+    ErrorKind.MODEL_WIDTH_NOT_DIVISIBLE: frozenset({"model_width", "heads"}),
+    ErrorKind.ODD_HEAD_WIDTH: frozenset({"model_width", "heads"}),
+    ErrorKind.ZERO_FEED_FORWARD_WIDTH: frozenset({"feed_forward_width"}),
+    ErrorKind.ZERO_CONTEXT_CAPACITY: frozenset({"context"}),
+    ErrorKind.INVALID_ROPE_BASE: frozenset({"rope_base"}),
+    ErrorKind.INVALID_RMS_EPSILON: frozenset({"rms_epsilon"}),
+}
+
+
+def _break(
+    config: DecoderConfig, kind: ErrorKind, draw: st.DrawFn, *, keep: frozenset[str] = frozenset()
+) -> DecoderConfig:
+    """``config`` with rule ``kind`` broken and every other field untouched (a type error
+    never lands on a field in ``keep``)."""
     replace = dataclasses.replace
     if kind is ErrorKind.EMPTY_VOCABULARY:
         return replace(config, vocabulary_size=0)
@@ -179,7 +199,8 @@ def _break(config: DecoderConfig, kind: ErrorKind, draw: st.DrawFn) -> DecoderCo
         bad_epsilons = [-1e-6, -5e-324, float("inf"), float("-inf"), float("nan")]
         return replace(config, rms_epsilon=draw(st.sampled_from(bad_epsilons)))
     if kind is ErrorKind.CONFIG_FIELD_TYPE:
-        field = draw(st.sampled_from([f.name for f in dataclasses.fields(DecoderConfig)]))
+        fields = [f.name for f in dataclasses.fields(DecoderConfig) if f.name not in keep]
+        field = draw(st.sampled_from(fields))
         integer_field = field not in ("rope_base", "rms_epsilon")
         wrong: list[object] = [True, "4", None]
         if integer_field:
@@ -196,7 +217,7 @@ def invalid_configs(
     With ``also_break_later`` some later rules are broken too, so the pair also tests the
     precedence: the expected kind is still the earliest broken rule.
     """
-    order = (ErrorKind.CONFIG_FIELD_TYPE, *CONFIG_RULE_ORDER)
+    order = _CONFIG_ORDER_WITH_TYPES
     if kind is not None and kind not in order:
         raise ValueError(f"kind={kind} is not a configuration rule; choose from {list(order)}")
 
@@ -204,20 +225,18 @@ def invalid_configs(
     def build(draw: st.DrawFn) -> tuple[DecoderConfig, ErrorKind]:
         config = draw(configs())
         target = kind if kind is not None else draw(st.sampled_from(order))
-        later = (
-            list(CONFIG_RULE_ORDER[CONFIG_RULE_ORDER.index(target) + 1 :])
-            if target in CONFIG_RULE_ORDER
-            else []
-        )
+        later = list(order[order.index(target) + 1 :])
         extra = (
             draw(st.lists(st.sampled_from(later), unique=True, max_size=2))
             if also_break_later and later
             else []
         )
-        # Later rules first, so the target's own change has the last word on shared fields.
-        for other in sorted(extra, key=CONFIG_RULE_ORDER.index, reverse=True):
+        # Later rules first, so the target's own change has the last word on shared fields;
+        # a type error goes to a field none of them reads.
+        for other in sorted(extra, key=order.index, reverse=True):
             config = _break(config, other, draw)
-        return _break(config, target, draw), target
+        kept = frozenset().union(*(_RULE_FIELDS[other] for other in extra))
+        return _break(config, target, draw, keep=kept), target
 
     return build()
 
@@ -240,22 +259,50 @@ def _choices(table: dict[str, ErrorKind], kinds: Collection[ErrorKind] | None) -
     return chosen
 
 
+# Pairs no configuration breaks together: a zero width is divisible by any head count and
+# has an even quotient, and with zero heads neither rule is defined.
+_EXCLUSIVE_PAIRS = frozenset(
+    (earlier, later)
+    for earlier in (ErrorKind.ZERO_MODEL_WIDTH, ErrorKind.ZERO_HEAD_COUNT)
+    for later in (ErrorKind.MODEL_WIDTH_NOT_DIVISIBLE, ErrorKind.ODD_HEAD_WIDTH)
+)
+
+
 def config_rule_pairs() -> list[tuple[ErrorKind, ErrorKind]]:
-    """Every ordered pair (earlier, later) of configuration rules."""
-    order = CONFIG_RULE_ORDER
-    return [(a, b) for i, a in enumerate(order) for b in order[i + 1 :]]
+    """Every ordered pair (earlier, later) of configuration rules that one configuration can
+    break together, a field of the wrong type before each value rule included."""
+    order = _CONFIG_ORDER_WITH_TYPES
+    return [
+        (a, b)
+        for i, a in enumerate(order)
+        for b in order[i + 1 :]
+        if (a, b) not in _EXCLUSIVE_PAIRS
+    ]
 
 
 def configs_breaking(first: ErrorKind, second: ErrorKind) -> st.SearchStrategy[DecoderConfig]:
     """Configurations that break both rules; the earlier of the two must be reported."""
-    if first not in CONFIG_RULE_ORDER or second not in CONFIG_RULE_ORDER:
-        raise ValueError(f"{first} and {second} must both be configuration rules")
+    order = _CONFIG_ORDER_WITH_TYPES
+    if first not in order or second not in order or first == second:
+        raise ValueError(f"{first} and {second} must be two configuration rules")
+    later, earlier = sorted((first, second), key=order.index, reverse=True)
+    if (earlier, later) in _EXCLUSIVE_PAIRS:
+        raise ValueError(f"no configuration breaks both {earlier} and {later}")
 
     @st.composite
     def build(draw: st.DrawFn) -> DecoderConfig:
-        # The later rule first, so the earlier one's change wins on shared fields.
-        later, earlier = sorted((first, second), key=CONFIG_RULE_ORDER.index, reverse=True)
-        return _break(_break(draw(configs()), later, draw), earlier, draw)
+        config = draw(configs())
+        if {earlier, later} == {ErrorKind.MODEL_WIDTH_NOT_DIVISIBLE, ErrorKind.ODD_HEAD_WIDTH}:
+            # Each rule's own break repairs the other; a width of heads * odd + remainder
+            # breaks both (6 = 4 * 1 + 2: 6 % 4 != 0 and 6 // 4 is odd).
+            heads = draw(st.integers(2, 6))
+            quotient = 2 * draw(st.integers(0, 3)) + 1
+            width = heads * quotient + draw(st.integers(1, heads - 1))
+            return dataclasses.replace(config, heads=heads, model_width=width)
+        # The later rule first, so the earlier one's change wins on shared fields; a type
+        # error goes to a field the later rule does not read.
+        broken = _break(config, later, draw)
+        return _break(broken, earlier, draw, keep=_RULE_FIELDS[later])
 
     return build()
 

@@ -23,6 +23,7 @@ __all__ = [
     "MAX_INDEX",
     "MAX_SEED",
     "Violation",
+    "broken_config_rules",
     "config_violation",
     "is_float64_representable",
     "loss_violation",
@@ -101,6 +102,21 @@ def config_violation(config: DecoderConfig) -> Violation | None:
         if broken(exact):
             return Violation(kind)
     return None
+
+
+def broken_config_rules(config: DecoderConfig) -> list[ErrorKind]:
+    """Every value rule of the configuration that ``config`` breaks, in the documented order,
+    whatever comes first (a rule that cannot be evaluated, as divisibility with zero heads or
+    a rule over a wrong-typed field, is not counted): which rules a test input breaks at once.
+    """
+    broken = []
+    for kind, rule_broken in _CONFIG_CHECKS:
+        try:
+            if rule_broken(config):
+                broken.append(kind)
+        except (TypeError, ValueError, ZeroDivisionError, OverflowError):
+            continue
+    return broken
 
 
 def seed_violation(seed: object) -> Violation | None:

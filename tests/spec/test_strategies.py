@@ -12,14 +12,23 @@ from impl.model import DecoderModel
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
 from spec.strategies import (
+    CONFIG_RULE_ORDER,
+    config_rule_pairs,
     configs,
+    configs_breaking,
     invalid_configs,
     invalid_token_inputs,
     perturbed_parameter_lists,
     runs,
     token_batches,
 )
-from spec.validation import config_violation, loss_violation, rebuild_violation, token_violation
+from spec.validation import (
+    broken_config_rules,
+    config_violation,
+    loss_violation,
+    rebuild_violation,
+    token_violation,
+)
 
 
 @given(config=configs())
@@ -99,3 +108,29 @@ def test_full_context_reaches_the_last_position(tokens: np.ndarray) -> None:  # 
 def test_strategy_arguments_are_checked_early(make, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize(("earlier", "later"), config_rule_pairs(), ids=str)
+def test_each_config_rule_pair_breaks_both_rules(earlier: ErrorKind, later: ErrorKind) -> None:
+    """A pair that left its later rule intact would test the earlier one alone, and a port
+    checking the two the other way round would pass it."""
+
+    @given(config=configs_breaking(earlier, later))
+    def check(config: DecoderConfig) -> None:
+        found = config_violation(config)
+        assert found is not None and found.kind is earlier
+        assert later in broken_config_rules(config)
+        if earlier is not ErrorKind.CONFIG_FIELD_TYPE:
+            assert earlier in broken_config_rules(config)
+
+    check()
+
+
+def test_config_rule_pairs_cover_every_pair_that_can_break_together() -> None:
+    pairs = config_rule_pairs()
+    assert (ErrorKind.MODEL_WIDTH_NOT_DIVISIBLE, ErrorKind.ODD_HEAD_WIDTH) in pairs
+    assert all((ErrorKind.CONFIG_FIELD_TYPE, kind) in pairs for kind in CONFIG_RULE_ORDER)
+    # 10 rules give 45 pairs; zero width or zero heads with divisibility or parity cannot.
+    assert len(pairs) == 45 - 4
+    with pytest.raises(ValueError, match="no configuration breaks both"):
+        configs_breaking(ErrorKind.ZERO_HEAD_COUNT, ErrorKind.ODD_HEAD_WIDTH)
