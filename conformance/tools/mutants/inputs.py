@@ -13,13 +13,21 @@ from conformance.adapter import ForwardOutput, LossOutput, Parameters, Refusal
 from conformance.adapters.reference import refusals
 from conformance.tools.mutants.base import MutantBackend, mutant
 from impl import ops
-from impl.errors import ContextLengthExceeded, InvalidRmsEpsilon
+from impl.errors import (
+    ContextLengthExceeded,
+    InvalidRmsEpsilon,
+    TargetCountMismatch,
+    TargetIdOutOfBounds,
+)
 from impl.layers import NamedParameter
 from impl.model import DecoderModel
 from impl.tape import Tensor
 from spec.config import DecoderConfig
 from spec.errors import ErrorKind
+from spec.parameters import parameter_layout
+from spec.recipe import SplitMix64
 from spec.rules import RuleCategory
+from spec.validation import broken_config_rules, config_violation, rebuild_violation
 
 
 @mutant("ERR-CONFIG-ORDER")
@@ -275,3 +283,165 @@ class TargetIdsKeptInInt16(MutantBackend):
     """
 
     model_class = _TargetsInInt16Model
+
+
+def _declared_dims(tokens: object, shape: Sequence[int] | None) -> tuple[int, ...] | None:
+    """The dimensions a port reads off its token input before checking it, or None."""
+    if shape is not None:
+        return tuple(int(size) for size in shape)
+    array = np.asarray(tokens) if isinstance(tokens, np.ndarray) else None
+    return None if array is None else tuple(array.shape)
+
+
+@mutant("ERR-TOKEN-ORDER")
+class EmptySequencesCheckedBeforeAnEmptyBatch(MutantBackend):
+    """Empty sequences are checked before an empty batch, so [0, 0] token IDs are empty-tokens."""
+
+    def forward(
+        self, model: Any, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
+    ) -> Any:
+        dims = _declared_dims(tokens, shape)
+        if dims is not None and len(dims) == 2 and dims[1] == 0:
+            raise Refusal(ErrorKind.EMPTY_TOKENS, "token sequences must not be empty")
+        return super().forward(model, tokens, shape)
+
+
+@mutant("ERR-TOKEN-ORDER")
+class TokenCountOverflowCheckedBeforeTheContext(MutantBackend):
+    """B*T's overflow is checked before the context capacity, as a size guard before any rule.
+
+    A batch of too-long sequences whose count also overflows is token-count-overflow.
+    """
+
+    def forward(
+        self, model: Any, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
+    ) -> Any:
+        dims = _declared_dims(tokens, shape)
+        if dims is not None and len(dims) == 2 and dims[0] * dims[1] > 2**64 - 1:
+            batch, length = dims
+            details = {"batch": batch, "tokens": length}
+            raise Refusal(ErrorKind.TOKEN_COUNT_OVERFLOW, f"{batch} x {length} overflows", details)
+        return super().forward(model, tokens, shape)
+
+
+class _TargetsCountedFirstModel(DecoderModel):
+    def validate_targets(self, targets: npt.ArrayLike, batch: int, length: int) -> Any:
+        if isinstance(targets, np.ndarray) and targets.size != batch * length:
+            raise TargetCountMismatch(
+                expected=batch * length, actual=int(targets.size), shape=tuple(targets.shape)
+            )
+        return super().validate_targets(targets, batch, length)
+
+
+@mutant("ERR-LOSS-ORDER")
+class TargetsCountedBeforeTheirDtype(MutantBackend):
+    """The loss counts its targets before it checks their dtype: float targets, too few, are
+    a target-count error."""
+
+    model_class = _TargetsCountedFirstModel
+
+
+class _LastBadTargetModel(DecoderModel):
+    def validate_targets(self, targets: npt.ArrayLike, batch: int, length: int) -> Any:
+        try:
+            return super().validate_targets(targets, batch, length)
+        except TargetIdOutOfBounds:
+            flat = np.asarray(targets).reshape(-1)
+            outside = np.flatnonzero((flat < 0) | (flat >= self.config.vocabulary_size))
+            last = int(outside[-1])  # the loop kept overwriting the position it reports
+            raise TargetIdOutOfBounds(
+                position=last, id=int(flat[last]), vocabulary_size=self.config.vocabulary_size
+            ) from None
+
+
+@mutant("ERR-TARGET-ID")
+class LastBadTargetNamed(MutantBackend):
+    """A target-ID refusal names the last out-of-range target's position, not the first."""
+
+    model_class = _LastBadTargetModel
+
+
+@mutant("ERR-REBUILD-SHAPES")
+class MisshapedParameterNamesItsBlock(MutantBackend):
+    """A wrong shape or a non-finite value is refused naming the tensor's block number, not its
+    index in the list (the check loops over blocks)."""
+
+    def build(self, config: DecoderConfig, parameters: Parameters) -> Any:
+        try:
+            return super().build(config, parameters)
+        except Refusal as refusal:
+            by_value = (ErrorKind.PARAMETER_SHAPE_MISMATCH, ErrorKind.PARAMETER_NOT_FINITE)
+            if refusal.kind not in by_value:
+                raise
+            name = parameter_layout(config)[refusal.details["index"]][0]
+            if not name.startswith("blocks."):
+                raise
+            details = {**refusal.details, "index": int(name.split(".")[1])}
+            raise Refusal(refusal.kind, refusal.message, details) from None
+
+
+@mutant("ERR-REBUILD-DTYPES")
+class ParameterValuesCheckedBeforeDtypes(MutantBackend):
+    """The tensors' values are checked for NaN and infinity before their dtypes.
+
+    A NaN in the table beside a complex final gain is parameter-not-finite.
+    """
+
+    def build(self, config: DecoderConfig, parameters: Parameters) -> Any:
+        entries = list(parameters)
+        found = rebuild_violation(config, entries)
+        if found is not None and found.kind is ErrorKind.PARAMETER_DTYPE:
+            for index, (_, value) in enumerate(entries):
+                array = np.asarray(value)
+                if array.dtype.kind in "iuf":
+                    outside = np.flatnonzero(~np.isfinite(array.astype(np.float64)))
+                    if outside.size:
+                        details = {"index": index, "position": int(outside[0])}
+                        raise Refusal(ErrorKind.PARAMETER_NOT_FINITE, "not finite", details)
+        return super().build(config, entries)
+
+
+class _ConfigurationCheckedOwnWay(MutantBackend):
+    """Shared by the configuration-order mutants: their own check runs before the reference's."""
+
+    def first_check(self, config: DecoderConfig) -> None:
+        raise NotImplementedError
+
+    def build(self, config: DecoderConfig, parameters: Parameters) -> Any:
+        self.first_check(config)
+        return super().build(config, parameters)
+
+    def build_seeded(self, config: DecoderConfig, seed: int) -> Any:
+        self.first_check(config)
+        return super().build_seeded(config, seed)
+
+    def initialize(self, config: DecoderConfig, stream: SplitMix64) -> Any:
+        self.first_check(config)
+        return super().initialize(config, stream)
+
+
+@mutant("ERR-CONFIG-ORDER")
+class ConfigurationFieldTypesCheckedLast(_ConfigurationCheckedOwnWay):
+    """Field types are checked after the value rules: a zero vocabulary beside a float width is
+    empty-vocabulary, not config-field-type."""
+
+    def first_check(self, config: DecoderConfig) -> None:
+        found = config_violation(config)
+        if found is not None and found.kind is ErrorKind.CONFIG_FIELD_TYPE:
+            broken = broken_config_rules(config)
+            if broken:
+                raise Refusal(broken[0], f"refused: {broken[0]}")
+
+
+@mutant("ERR-CONFIG-ORDER")
+class OddHeadWidthCheckedBeforeDivisibility(_ConfigurationCheckedOwnWay):
+    """The head width's parity is checked before the width's divisibility by the head count.
+
+    Width 6 over 4 heads is odd-head-width (6 // 4 = 1), not model-width-not-divisible.
+    """
+
+    def first_check(self, config: DecoderConfig) -> None:
+        found = config_violation(config)
+        divisibility = found is not None and found.kind is ErrorKind.MODEL_WIDTH_NOT_DIVISIBLE
+        if divisibility and (config.model_width // config.heads) % 2:
+            raise Refusal(ErrorKind.ODD_HEAD_WIDTH, "head width must be even")
