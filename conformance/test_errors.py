@@ -127,6 +127,19 @@ def test_malformed_token_arrays_are_refused(
         )
     )
     check.refused(lambda: backend.forward(model, tokens, shape), expected)
+    # A declared shape that is no pair of non-negative integers: numpy's reshape would infer
+    # a -1 and run, and a float size of a whole number would pass for one.
+    flat = scenario.tokens.reshape(-1)
+    batch, length = scenario.tokens.shape
+    for bad_shape in [(-1, length), (batch, -1), (float(batch), length), (batch, length + 0.5)]:
+        case = scenario.case("backend.forward(model, tokens, shape)")
+        shape_check = judge.on(dataclasses.replace(case, tokens=flat, notes={"shape": bad_shape}))
+        shape_check.refused(
+            functools.partial(backend.forward, model, flat, bad_shape),
+            ErrorKind.TOKEN_DTYPE,
+            what=f"refusal kind for shape={bad_shape}",
+            reason="a declared shape holds non-negative integers",
+        )
 
 
 @pytest.mark.rule("ERR-CONTEXT-LIMIT")

@@ -115,15 +115,15 @@ class Server:
         return value
 
     @staticmethod
-    def _shape(request: dict[str, Any]) -> tuple[int, ...] | None:
+    def _shape(request: dict[str, Any]) -> tuple[Any, ...] | None:
+        """The declared shape as the caller gave it: a size that is no non-negative integer
+        (-1, 2.0, 2.5, true) is the backend's token-dtype refusal, not a malformed request."""
         shape = request.get("shape")
         if shape is None:
             return None
-        if not isinstance(shape, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) for s in shape
-        ):
+        if not isinstance(shape, list) or not all(isinstance(s, int | float | str) for s in shape):
             raise ProtocolError(
-                f"request field 'shape' must be null or a list of integers, got {shape!r}"
+                f"request field 'shape' must be null or a list of numbers, got {shape!r:.60}"
             )
         return tuple(shape)
 

@@ -397,7 +397,7 @@ class SubprocessBackend(BackendBase):
             limit=response_limit(positions * (vocabulary + stage_count * width), stage_count + 1),
             **arguments,
             tokens=encode_input(tokens),
-            shape=None if shape is None else [int(s) for s in shape],
+            shape=None if shape is None else [_json_size(size) for size in shape],
         )
         stages = result.get("stages")
         return ForwardOutput(
@@ -453,6 +453,18 @@ def _parameter_scalars(config: DecoderConfig) -> int:
         + _layers(config) * (4 * width * width + 3 * width * ffn + 2 * width)
         + width
     )
+
+
+def _json_size(size: object) -> object:
+    """A declared size as JSON carries it, unchanged: the backend must see a -1, a 2.0 or a
+    2.5 to refuse it (numpy's scalars become Python's; anything else travels as its text)."""
+    if isinstance(size, bool | np.bool_):
+        return bool(size)
+    if isinstance(size, int | np.integer):
+        return int(size)
+    if isinstance(size, float | np.floating):
+        return float(size)
+    return size if isinstance(size, str) else repr(size)
 
 
 def _positions(tokens: npt.ArrayLike, shape: tuple[int, int] | None) -> int:

@@ -445,3 +445,22 @@ class OddHeadWidthCheckedBeforeDivisibility(_ConfigurationCheckedOwnWay):
         divisibility = found is not None and found.kind is ErrorKind.MODEL_WIDTH_NOT_DIVISIBLE
         if divisibility and (config.model_width // config.heads) % 2:
             raise Refusal(ErrorKind.ODD_HEAD_WIDTH, "head width must be even")
+
+
+@mutant("ERR-TOKEN-SHAPE")
+class DeclaredShapeAppliedByReshape(MutantBackend):
+    """A declared shape is applied with numpy's reshape, which infers a -1 and takes 2.0 for 2.
+
+    Flat IDs with shape (-1, T) run as (B, T) instead of being refused.
+    """
+
+    def forward(
+        self, model: Any, tokens: npt.ArrayLike, shape: tuple[int, int] | None = None
+    ) -> Any:
+        if shape is None or not isinstance(tokens, np.ndarray):
+            return super().forward(model, tokens, shape)
+        try:
+            reshaped = tokens.reshape(tuple(int(size) for size in shape))
+        except (TypeError, ValueError):
+            return super().forward(model, tokens, shape)
+        return super().forward(model, reshaped)
