@@ -26,7 +26,14 @@ from conformance.adapter import Backend, Refusal
 from conformance.coverage import RECORDER
 from spec.errors import ErrorKind
 
-__all__ = ["METHODS", "AdapterFault", "GuardedBackend", "adapter_location", "allocation_hint"]
+__all__ = [
+    "METHODS",
+    "AdapterFault",
+    "GuardedBackend",
+    "adapter_location",
+    "allocation_hint",
+    "unexpected_refusal",
+]
 
 # The calls a rule test makes of a backend.
 METHODS = ("build", "build_seeded", "initialize", "parameters", "forward", "loss")
@@ -74,6 +81,20 @@ def adapter_location(error: BaseException, adapter_file: str | None) -> str:
         own = [frame for frame in frames if Path(frame.filename) == Path(adapter_file)]
         chosen = own[-1] if own else chosen
     return f"{Path(chosen.filename).name}:{chosen.lineno}"
+
+
+def unexpected_refusal(refusal: Refusal) -> str:
+    """The report of a refusal no check asked for: the backend refused a call the spec
+    answers (where a refusal is expected, the check catches it and judges its kind)."""
+    calls = [note for note in getattr(refusal, "__notes__", ()) if note.startswith("call: ")]
+    where = f"; {calls[-1]}" if calls else ""
+    return (
+        f"the backend refused a call the spec answers: Refusal({refusal.kind}): "
+        f"{' '.join(refusal.message.split())}{where}\n"
+        "nothing in this call breaks a rule of the spec (`decoder-conformance rules` lists "
+        "them), so the rule needs its answer: check the refusal's condition in the adapter "
+        "or backend against the spec's (ERR-* rules)"
+    )
 
 
 class AdapterFault(BaseException):
@@ -143,7 +164,9 @@ class GuardedBackend:
             RECORDER.call(method, arguments)
             try:
                 result = call(*arguments, **keywords)
-            except Refusal:
+            except Refusal as refusal:
+                # Read only if no check expected it (a refusal of a valid call, below).
+                refusal.add_note(f"call: {self._describe_call(method, arguments)}")
                 raise
             except Exception as error:
                 caught = error

@@ -254,10 +254,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             properties.append((margins.PROPERTY, closest))
         _stop_after_a_chosen_category(item, outcome.get_result())
     if call.excinfo is not None and _is_conformance_test(item):
-        from conformance.guard import AdapterFault
+        from conformance.adapter import Refusal
+        from conformance.guard import AdapterFault, unexpected_refusal
 
-        if call.excinfo.errisinstance(AdapterFault):
-            outcome.get_result().longrepr = str(call.excinfo.value)
+        error = call.excinfo.value
+        if isinstance(error, AdapterFault):
+            outcome.get_result().longrepr = str(error)
+        elif isinstance(error, Refusal):
+            outcome.get_result().longrepr = unexpected_refusal(error)
         else:
             from hypothesis.errors import FlakyFailure
 
@@ -280,12 +284,15 @@ NOT_REPRODUCIBLE = (
 def _first_failure(error: BaseException | None) -> str | None:
     """The message of the first check failure or adapter fault inside a hypothesis error
     group (through the wrappers' causes), or None."""
-    from conformance.guard import AdapterFault
+    from conformance.adapter import Refusal
+    from conformance.guard import AdapterFault, unexpected_refusal
 
     if error is None:
         return None
     if isinstance(error, pytest.fail.Exception | AdapterFault):
         return str(error)
+    if isinstance(error, Refusal):
+        return unexpected_refusal(error)
     if isinstance(error, BaseExceptionGroup):
         for inner in error.exceptions:
             found = _first_failure(inner)

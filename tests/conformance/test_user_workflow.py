@@ -218,6 +218,35 @@ def test_an_adapter_that_raises_is_reported_fast_with_its_file_and_line(tmp_path
     assert "adapter error in build: IndexError" in contract.rule("ADAPTER-CONTRACT").message
 
 
+REFUSING_ADAPTER = '''from conformance.adapter import Refusal
+from conformance.adapters.reference import ReferenceBackend
+
+
+class RefusesEveryForward(ReferenceBackend):
+    """A context check against a capacity it read as 0: every forward is refused."""
+
+    name = "refusing"
+
+    def forward(self, model, tokens, shape=None):
+        raise Refusal("context-length-exceeded", "at most 0 positions")
+'''
+
+
+def test_a_refusal_of_a_valid_call_is_reported_as_one(tmp_path: Path) -> None:
+    """Not as a traceback: the rule's message names the refusal, its kind and the call."""
+    (tmp_path / "refusing_adapter.py").write_text(REFUSING_ADAPTER)
+    report = run_suite(
+        "refusing_adapter.py:RefusesEveryForward", profile="ci", cwd=tmp_path,
+        contract_check=False, rules=["VALUE-LOGITS"],
+    )  # fmt: skip
+    first, second = report.rule("VALUE-LOGITS").message.splitlines()[:2]
+    assert first.startswith(
+        "the backend refused a call the spec answers: "
+        "Refusal(context-length-exceeded): at most 0 positions; call: forward(model of "
+    ), first
+    assert "nothing in this call breaks a rule of the spec" in second
+
+
 @pytest.mark.slow
 def test_messages_are_the_same_in_two_runs_and_under_two_workers(tmp_path: Path) -> None:
     """A failing backend and a raising one: no addresses, no worker banners, same text."""
