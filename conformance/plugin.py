@@ -239,7 +239,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None]:
-    """An adapter fault is reported by its message alone: what raised, where, on what call."""
+    """An adapter fault or an unexpected refusal is reported by its message alone: what
+    raised, where, on what call."""
     outcome: Any = yield
     if _is_conformance_test(item):
         from conformance import margins
@@ -254,14 +255,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             properties.append((margins.PROPERTY, closest))
         _stop_after_a_chosen_category(item, outcome.get_result())
     if call.excinfo is not None and _is_conformance_test(item):
-        from conformance.adapter import Refusal
-        from conformance.guard import AdapterFault, unexpected_refusal
-
-        error = call.excinfo.value
-        if isinstance(error, AdapterFault):
-            outcome.get_result().longrepr = str(error)
-        elif isinstance(error, Refusal):
-            outcome.get_result().longrepr = unexpected_refusal(error)
+        own = _backend_message(call.excinfo.value)
+        if own is not None:
+            outcome.get_result().longrepr = own
         else:
             from hypothesis.errors import FlakyFailure
 
@@ -281,18 +277,29 @@ NOT_REPRODUCIBLE = (
 )
 
 
-def _first_failure(error: BaseException | None) -> str | None:
-    """The message of the first check failure or adapter fault inside a hypothesis error
-    group (through the wrappers' causes), or None."""
+def _backend_message(error: BaseException) -> str | None:
+    """The whole report of an adapter fault or of a refusal no check expected (their own
+    message, not a traceback), or None for any other error."""
     from conformance.adapter import Refusal
     from conformance.guard import AdapterFault, unexpected_refusal
 
-    if error is None:
-        return None
-    if isinstance(error, pytest.fail.Exception | AdapterFault):
+    if isinstance(error, AdapterFault):
         return str(error)
     if isinstance(error, Refusal):
         return unexpected_refusal(error)
+    return None
+
+
+def _first_failure(error: BaseException | None) -> str | None:
+    """The message of the first check failure, adapter fault or unexpected refusal inside a
+    hypothesis error group (through the wrappers' causes), or None."""
+    if error is None:
+        return None
+    if isinstance(error, pytest.fail.Exception):
+        return str(error)
+    own = _backend_message(error)
+    if own is not None:
+        return own
     if isinstance(error, BaseExceptionGroup):
         for inner in error.exceptions:
             found = _first_failure(inner)

@@ -289,8 +289,7 @@ def _declared_dims(tokens: object, shape: Sequence[int] | None) -> tuple[int, ..
     """The dimensions a port reads off its token input before checking it, or None."""
     if shape is not None:
         return tuple(int(size) for size in shape)
-    array = np.asarray(tokens) if isinstance(tokens, np.ndarray) else None
-    return None if array is None else tuple(array.shape)
+    return tuple(tokens.shape) if isinstance(tokens, np.ndarray) else None
 
 
 @mutant("ERR-TOKEN-ORDER")
