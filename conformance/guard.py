@@ -5,7 +5,9 @@ exception is a bug of the adapter (or of the implementation behind it), not a ve
 rule. The guard reports it in one line, first in the rule's detail::
 
     adapter error in forward: IndexError: index 5 is out of bounds (my_backend.py:42);
-    call: forward(model of DecoderConfig(...), tokens [2, 5])
+    call: forward(model of DecoderConfig(...), tokens [1, 3] [[0, 5, 2]])
+
+The IDs follow their shape when there are at most 24.
 
 It is raised as :class:`AdapterFault`, a ``BaseException``: hypothesis lets it through at
 once instead of shrinking for minutes an input that was never the cause, and the plugin
@@ -101,11 +103,22 @@ class AdapterFault(BaseException):
     """An adapter raised something other than a Refusal; the message says what and where."""
 
 
+_SHOWN_VALUES = 24  # a call's IDs are written out up to this many: enough for drawn cases
+
+
 def _shape_of(value: Any) -> str:
+    """``[2, 5]``, followed by the values themselves when there are few (the IDs a backend
+    refused or failed on are what its author needs to look at)."""
     try:
-        return str(list(np.shape(value)))
+        shape = list(np.shape(value))
     except (ValueError, TypeError):
         return type(value).__name__
+    if int(np.prod(shape)) > _SHOWN_VALUES:
+        return str(shape)
+    try:
+        return f"{shape} {np.asarray(value).tolist()}"
+    except (ValueError, TypeError):
+        return str(shape)
 
 
 class GuardedBackend:

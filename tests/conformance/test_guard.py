@@ -61,3 +61,14 @@ def test_other_adapter_errors_get_no_allocation_advice() -> None:
     assert "Refusal" not in message
     assert allocation_hint("forward", ValueError("token 9 is too big for a table of 5")) == ""
     assert allocation_hint("parameters", MemoryError()) == ""  # no refusal kind for a read
+
+
+def test_the_call_shows_few_ids_and_only_the_shape_of_many() -> None:
+    """The IDs a backend failed on are what its author looks at; a long sequence is a shape."""
+    error = IndexError("index 5 is out of bounds for axis 0 with size 3")
+    guarded = GuardedBackend(_Failing("forward", error))
+    model = guarded.build(FIXTURE.config, initial_parameters(FIXTURE.config, 0))
+    for tokens, shown in (([[0, 1]], "tokens [1, 2] [[0, 1]])"), ([[0] * 25], "tokens [1, 25])")):
+        with pytest.raises(AdapterFault) as caught:
+            guarded.forward(model, tokens)
+        assert str(caught.value).splitlines()[0].endswith(shown), str(caught.value)
