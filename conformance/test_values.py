@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import mpmath
 import numpy as np
 import numpy.typing as npt
@@ -236,14 +238,25 @@ def _mean_nll(logits: npt.ArrayLike, targets: IdArray, vocabulary: int) -> float
 def test_loss_is_the_mean_indexed_nll_of_the_logits(
     backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
 ) -> None:
-    """Judged against the backend's own logits, so only the loss reduction is tested."""
+    """Judged against the backend's own logits, so only the loss reduction is tested.
+
+    Targets are counted, not shaped (the seed takes one flat list): the same IDs as one flat
+    row, in row-major order, must give the same loss; a port that demands a [B, T] shape, or
+    reads flat targets sequence-minor, fails here."""
     model = scenario.build(backend)
     logits = backend.forward(model, scenario.tokens).logits
     exact = _mean_nll(logits, scenario.targets, scenario.config.vocabulary_size)
+    bound = tolerance.at(scenario.config, scenario.tokens.shape[1]).loss
     got = backend.loss(model, scenario.tokens, scenario.targets).loss
-    judge.on(scenario.case("backend.loss(model, tokens, targets)")).close(
-        "loss", got, exact, tolerance.at(scenario.config, scenario.tokens.shape[1]).loss
+    judge.on(scenario.case("backend.loss(model, tokens, targets)")).close("loss", got, exact, bound)
+    flat = scenario.targets.reshape(-1)
+    check = judge.on(
+        dataclasses.replace(
+            scenario.case("backend.loss(model, tokens, targets.reshape(-1))"), targets=flat
+        )
     )
+    flat_loss = backend.loss(model, scenario.tokens, flat).loss
+    check.close("loss with the targets as one flat row of B*T IDs", flat_loss, exact, bound)
 
 
 # Chunk lengths a loss over long sequences is commonly taken in, to bound its memory.

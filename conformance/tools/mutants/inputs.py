@@ -27,7 +27,12 @@ from spec.errors import ErrorKind
 from spec.parameters import parameter_layout
 from spec.recipe import SplitMix64
 from spec.rules import RuleCategory
-from spec.validation import broken_config_rules, config_violation, rebuild_violation
+from spec.validation import (
+    broken_config_rules,
+    config_violation,
+    loss_violation,
+    rebuild_violation,
+)
 
 
 @mutant("ERR-CONFIG-ORDER")
@@ -463,3 +468,39 @@ class DeclaredShapeAppliedByReshape(MutantBackend):
         except (TypeError, ValueError):
             return super().forward(model, tokens, shape)
         return super().forward(model, reshaped)
+
+
+def _valid_loss_ids(model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike) -> bool:
+    """Whether the spec accepts this loss call (the reference refuses it otherwise)."""
+    return loss_violation(model.config, tokens, targets) is None
+
+
+@mutant("LOSS-MEAN-NLL")
+class TargetsMustBeShapedLikeTheTokens(MutantBackend):
+    """The loss refuses targets whose shape is not the tokens' [B, T], though the seed counts
+    them (one flat list): B*T IDs in one row are a target-count refusal."""
+
+    def loss(
+        self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
+    ) -> LossOutput:
+        if _valid_loss_ids(model, tokens, targets) and np.shape(targets) != np.shape(tokens):
+            raise Refusal(
+                ErrorKind.TARGET_COUNT_MISMATCH,
+                f"targets must have the tokens' shape {list(np.shape(tokens))}, "
+                f"got {list(np.shape(targets))}",
+            )
+        return super().loss(model, tokens, targets, **detach)
+
+
+@mutant("LOSS-MEAN-NLL")
+class FlatTargetsReadSequenceMinor(MutantBackend):
+    """Flat targets are laid out [T, B] (position-major, as a time-first training loop keeps
+    them): target b*T + t is read as target t*B + b. [B, T] targets are right."""
+
+    def loss(
+        self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
+    ) -> LossOutput:
+        if _valid_loss_ids(model, tokens, targets) and np.ndim(targets) == 1:
+            batch, length = np.shape(tokens)
+            targets = np.asarray(targets).reshape(length, batch).T
+        return super().loss(model, tokens, targets, **detach)
