@@ -124,7 +124,7 @@ RULES: tuple[Rule, ...] = (
     Rule("INIT-STREAM-ADVANCE", "Successful initialization advances the random stream by exactly the number of matrix scalars.", C.INITIALIZATION, f"{_RECIPE} 'Initialization'", needs=(K.STREAM_INIT,)),
     Rule("TXN-INIT", "A refused construction leaves the caller's random stream exactly as it was.", C.TRANSACTIONS, "seed: 'Initialization uses a trial random stream'", needs=(K.STREAM_INIT, K.CONFIG_ERRORS,)),
     Rule("TXN-CALL", "A refused forward or loss call leaves every parameter and accumulated gradient unchanged.", C.TRANSACTIONS, "project standard: bad input changes nothing", needs=(K.INPUT_ERRORS,)),
-    Rule("LOSS-MEAN-NLL", "The loss is the mean over all B*T positions of -log softmax(logits[b, t])[target[b, t]], the targets [B, T] or one flat row.", C.LOSS, _FORMULA),
+    Rule("LOSS-MEAN-NLL", "The loss is the mean over all B*T positions of -log softmax(logits[b, t])[target[b, t]]; IDs of any integer type, targets [B, T] or flat.", C.LOSS, _FORMULA),
     Rule("VALUE-STAGES", "Every stage (lookup, each block, final norm) agrees with the high-precision oracle within tolerance.", C.VALUES, _FORMULA, needs=(K.STAGES,)),
     Rule("VALUE-LOGITS", "The logits and the loss agree with the high-precision oracle within tolerance.", C.VALUES, _FORMULA),
     Rule("VALUE-LARGE-LOGITS", "With logits in the thousands (a final gain of 1000), logits, loss and gradients (at the model's scale) stay finite and match the oracle.", C.VALUES, f"{_FORMULA}; project rule (issue 19): a softmax without its row maximum overflows there"),

@@ -504,3 +504,17 @@ class FlatTargetsReadSequenceMinor(MutantBackend):
             batch, length = np.shape(tokens)
             targets = np.asarray(targets).reshape(length, batch).T
         return super().loss(model, tokens, targets, **detach)
+
+
+@mutant("LOSS-MEAN-NLL")
+class TargetsHandedOnUnconverted(MutantBackend):
+    """Targets reach the loss kernel in the dtype they came in, and it takes only int64, as
+    torch's cross_entropy does ("expected scalar type Long but found Int")."""
+
+    def loss(
+        self, model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike, **detach: bool
+    ) -> LossOutput:
+        found = np.asarray(targets).dtype
+        if _valid_loss_ids(model, tokens, targets) and found != np.int64:
+            raise RuntimeError(f"expected scalar type Long but found {found}")
+        return super().loss(model, tokens, targets, **detach)
