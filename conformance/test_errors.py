@@ -269,6 +269,42 @@ TOKEN_INPUT_TYPES: dict[str, Callable[[np.ndarray[Any, Any]], Any]] = {
 }
 
 
+# The types of TOKEN_INPUT_TYPES the spec accepts (the forward pass's int64 logits).
+ACCEPTED_INPUT_TYPES = [
+    kind
+    for kind, convert in TOKEN_INPUT_TYPES.items()
+    if token_violation(FIXTURE.config, convert(np.zeros((1, 1), np.int64))) is None
+]
+
+
+@pytest.mark.rule("ERR-TOKEN-SHAPE")
+@pytest.mark.parametrize("kind_of_input", ACCEPTED_INPUT_TYPES)
+def test_loss_takes_ids_of_every_accepted_type(
+    backend: Backend, judge: Judge, tolerance: ToleranceModel, kind_of_input: str
+) -> None:
+    """The loss takes token and target IDs of every type the forward pass takes (any integer
+    dtype, nested lists) as their int64 values: torch's cross_entropy refuses int32
+    targets, so a port that hands them on unconverted fails here."""
+    config = FIXTURE.config
+    tokens = np.array([[0, 1, 2], [3, 4, 0]], dtype=np.int64)
+    targets = np.array([[1, 2, 3], [4, 0, 1]], dtype=np.int64)
+    convert = TOKEN_INPUT_TYPES[kind_of_input]
+    model = backend.build(config, initial_parameters(config, FIXTURE.seed))
+    call = (
+        "backend.loss(model, tokens, targets)  # as nested lists"
+        if kind_of_input == "nested-lists"
+        else "import numpy as np\n"
+        f"backend.loss(model, np.array(tokens, dtype=np.{kind_of_input}), "
+        f"np.array(targets, dtype=np.{kind_of_input}))"
+    )
+    judge.on(Case(config, FIXTURE.seed, tokens, targets, call=call)).close(
+        f"loss of {kind_of_input} token and target IDs",
+        backend.loss(model, convert(tokens), convert(targets)).loss,
+        backend.loss(model, tokens, targets).loss,
+        tolerance.at(config, tokens.shape[1]).loss,
+    )
+
+
 @pytest.mark.rule("ERR-TOKEN-SHAPE")
 @pytest.mark.parametrize("kind_of_input", list(TOKEN_INPUT_TYPES))
 def test_token_inputs_of_every_type(
@@ -311,6 +347,34 @@ def test_targets_must_be_one_per_token(
         "category",
         refusal.kind.category,
         ErrorCategory.TARGET_SHAPE,
+    )
+
+
+@pytest.mark.rule("ERR-TARGET-COUNT")
+@suite_settings()
+@given(scenario=scenarios())
+def test_targets_are_counted_not_shaped(
+    backend: Backend, judge: Judge, scenario: Scenario, tolerance: ToleranceModel
+) -> None:
+    """The seed takes its targets as one flat list: B*T IDs in one row are one target per
+    token, in row-major order, and give the loss of the same IDs shaped [B, T]. A port that
+    demands the tokens' shape, or reads a flat row position-major, fails here."""
+    model = scenario.build(backend)
+    flat = scenario.targets.reshape(-1)
+    check = judge.on(
+        dataclasses.replace(
+            scenario.case(
+                "import numpy as np\n"
+                "backend.loss(model, np.array(tokens), np.array(targets))  # targets: one flat row"
+            ),
+            targets=flat,
+        )
+    )
+    check.close(
+        "loss with the targets as one flat row of B*T IDs",
+        backend.loss(model, scenario.tokens, flat).loss,
+        backend.loss(model, scenario.tokens, scenario.targets).loss,
+        tolerance.at(scenario.config, scenario.tokens.shape[1]).loss,
     )
 
 

@@ -475,7 +475,7 @@ def _valid_loss_ids(model: Any, tokens: npt.ArrayLike, targets: npt.ArrayLike) -
     return loss_violation(model.config, tokens, targets) is None
 
 
-@mutant("LOSS-MEAN-NLL")
+@mutant("ERR-TARGET-COUNT")
 class TargetsMustBeShapedLikeTheTokens(MutantBackend):
     """The loss refuses targets whose shape is not the tokens' [B, T], though the seed counts
     them (one flat list): B*T IDs in one row are a target-count refusal."""
@@ -492,7 +492,7 @@ class TargetsMustBeShapedLikeTheTokens(MutantBackend):
         return super().loss(model, tokens, targets, **detach)
 
 
-@mutant("LOSS-MEAN-NLL")
+@mutant("ERR-TARGET-COUNT")
 class FlatTargetsReadSequenceMinor(MutantBackend):
     """Flat targets are laid out [T, B] (position-major, as a time-first training loop keeps
     them): target b*T + t is read as target t*B + b. [B, T] targets are right."""
@@ -506,7 +506,7 @@ class FlatTargetsReadSequenceMinor(MutantBackend):
         return super().loss(model, tokens, targets, **detach)
 
 
-@mutant("LOSS-MEAN-NLL")
+@mutant("ERR-TOKEN-SHAPE")
 class TargetsHandedOnUnconverted(MutantBackend):
     """Targets reach the loss kernel in the dtype they came in, and it takes only int64, as
     torch's cross_entropy does ("expected scalar type Long but found Int")."""
