@@ -149,23 +149,58 @@ def _held(held: np.ndarray[Any, Any], original: np.ndarray[Any, Any], precision:
     )
 
 
+_COPY_ADVICE = {
+    "build": "copy them before converting them (np.array(value), torch.tensor(value); "
+    "torch.from_numpy shares the caller's memory)",
+    "forward": "work on a copy (torch.from_numpy and np.asarray share the caller's memory)",
+    "loss": "work on a copy (torch.from_numpy and np.asarray share the caller's memory)",
+}
+
+
+def _left_unchanged(
+    checker: _Checker, method: str, given: list[tuple[str, Any]], before: list[tuple[str, Any]]
+) -> None:
+    """Flag ``method`` if it wrote into the arrays it was given (``before`` holds copies):
+    the suite reuses them, so every later check would judge inputs the backend changed."""
+    changed = [
+        name
+        for (name, value), (_, original) in zip(given, before, strict=True)
+        if not np.array_equal(value, original, equal_nan=True)
+    ]
+    if not changed:
+        return
+    listed = ", ".join(changed[:3]) + (" and others" if len(changed) > 3 else "")
+    what = (
+        f"parameter arrays it was given ({listed})"
+        if method == "build"
+        else (f"{' and '.join(changed)} it was given")
+    )
+    checker.flag(method, f"{method} wrote into the {what}: {_COPY_ADVICE[method]}")
+
+
 def _check_model(checker: _Checker, config: DecoderConfig, seed: int) -> None:
     backend = checker.backend
     capabilities = set(backend.capabilities)
     parameters = initial_parameters(config, seed)
+    given = [(name, value.copy()) for name, value in parameters]
     model = checker.call(
         "build",
-        lambda: backend.build(config, parameters),
+        lambda: backend.build(config, given),
         "a valid configuration",
         "CONFIG-VALID-BUILDS",
     )
+    _left_unchanged(checker, "build", given, parameters)
     listed = checker.call("parameters", lambda: backend.parameters(model), "a built model")
     _check_parameters(checker, config, listed, parameters)
     rng = np.random.default_rng(seed)
     batch, length = 2, config.context
     tokens = rng.integers(0, config.vocabulary_size, size=(batch, length))
     targets = rng.integers(0, config.vocabulary_size, size=(batch, length))
-    output = checker.call("forward", lambda: backend.forward(model, tokens), "[2, T] tokens")
+    # Each call gets its own copies, checked afterwards: a backend that writes into its
+    # inputs is told so, instead of the next call meeting other IDs.
+    sent = tokens.copy()
+    output = checker.call("forward", lambda: backend.forward(model, sent), "[2, T] tokens")
+    _left_unchanged(checker, "forward", [("token IDs", sent)], [("token IDs", tokens)])
     logits = checker.array(
         "forward",
         "logits",
@@ -207,11 +242,13 @@ def _check_model(checker: _Checker, config: DecoderConfig, seed: int) -> None:
                         hidden,
                         rule.get(str(entry[0]), "SHAPE-BLOCKS"),
                     )
+    sent = tokens.reshape(-1).copy()
     flat = checker.call(
         "forward",
-        lambda: backend.forward(model, tokens.reshape(-1), (batch, length)),
+        lambda: backend.forward(model, sent, (batch, length)),
         "flat token IDs with shape=(B, T)",
     )
+    _left_unchanged(checker, "forward", [("token IDs", sent)], [("token IDs", tokens.reshape(-1))])
     flat_logits = getattr(flat, "logits", None)
     if (
         logits is not None
@@ -220,7 +257,14 @@ def _check_model(checker: _Checker, config: DecoderConfig, seed: int) -> None:
         and not np.allclose(flat_logits, logits, rtol=1e-6, atol=1e-6, equal_nan=True)
     ):
         checker.flag("forward", "flat IDs with shape=(B, T) give other logits than [B, T] IDs")
-    result = checker.call("loss", lambda: backend.loss(model, tokens, targets), "[2, T] targets")
+    sent, sent_targets = tokens.copy(), targets.copy()
+    result = checker.call("loss", lambda: backend.loss(model, sent, sent_targets), "[2, T] targets")
+    _left_unchanged(
+        checker,
+        "loss",
+        [("token IDs", sent), ("target IDs", sent_targets)],
+        [("token IDs", tokens), ("target IDs", targets)],
+    )
     _check_loss(checker, config, result, capabilities)
     if Capability.TIED_ROLES in capabilities:
         for options in ({"detach_lookup": True}, {"detach_head": True}):
