@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conformance.adapter import LossOutput
+from conformance.adapter import ForwardOutput, LossOutput
 from conformance.adapters.reference import ReferenceBackend
 from conformance.contract import check_contract
 
@@ -62,3 +62,21 @@ def test_a_backend_writing_into_its_inputs_is_told_so_and_nothing_else(
     messages = [str(violation) for violation in check_contract(backend)]
     assert len(messages) == 1, messages
     assert messages[0].startswith(expected), messages
+
+
+class _OneBufferForEveryBlock(ReferenceBackend):
+    """Every block stage is the last block's array: one buffer each block updated in place."""
+
+    def forward(self, model: Any, tokens: Any, shape: Any = None) -> Any:
+        output = super().forward(model, tokens, shape)
+        last = [value for name, value in output.stages if name.startswith("block-")][-1]
+        stages = [(name, last if name.startswith("block-") else v) for name, v in output.stages]
+        return ForwardOutput(output.logits, stages)
+
+
+def test_stages_that_are_one_buffer_are_named() -> None:
+    messages = [str(violation) for violation in check_contract(_OneBufferForEveryBlock())]
+    assert messages == [
+        "forward: stages block-0 and block-1 hold the same values: a stage list that keeps one "
+        "buffer each block updates in place; return a copy of each stage"
+    ], messages
