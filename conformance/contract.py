@@ -176,7 +176,7 @@ def _left_unchanged(
         if method == "build"
         else (f"{' and '.join(changed)} it was given")
     )
-    checker.flag(method, f"{method} wrote into the {what}: {_COPY_ADVICE[method]}")
+    checker.flag(method, f"wrote into the {what}: {_COPY_ADVICE[method]}")
 
 
 def _stages_differ(checker: _Checker, stages: list[tuple[str, Any]]) -> None:
@@ -276,32 +276,30 @@ def _check_model(checker: _Checker, config: DecoderConfig, seed: int) -> None:
         and not np.allclose(flat_logits, logits, rtol=1e-6, atol=1e-6, equal_nan=True)
     ):
         checker.flag("forward", "flat IDs with shape=(B, T) give other logits than [B, T] IDs")
+    _check_loss(checker, config, _loss(checker, model, tokens, targets, {}), capabilities)
+    if Capability.TIED_ROLES in capabilities:
+        for options in ({"detach_lookup": True}, {"detach_head": True}):
+            _check_loss(
+                checker, config, _loss(checker, model, tokens, targets, options), capabilities
+            )
+
+
+def _loss(
+    checker: _Checker, model: Any, tokens: Any, targets: Any, options: dict[str, bool]
+) -> Any:
+    """The loss on copies of ``tokens`` and ``targets``, which must come back unchanged."""
+    what = ", ".join(f"{name}=True" for name in options) or "[2, T] targets"
     sent, sent_targets = tokens.copy(), targets.copy()
-    result = checker.call("loss", lambda: backend.loss(model, sent, sent_targets), "[2, T] targets")
+    result = checker.call(
+        "loss", lambda: checker.backend.loss(model, sent, sent_targets, **options), what
+    )
     _left_unchanged(
         checker,
         "loss",
         [("token IDs", sent), ("target IDs", sent_targets)],
         [("token IDs", tokens), ("target IDs", targets)],
     )
-    _check_loss(checker, config, result, capabilities)
-    if Capability.TIED_ROLES in capabilities:
-        for options in ({"detach_lookup": True}, {"detach_head": True}):
-            _check_loss(
-                checker,
-                config,
-                _detached_loss(checker, model, tokens, targets, options),
-                capabilities,
-            )
-
-
-def _detached_loss(
-    checker: _Checker, model: Any, tokens: Any, targets: Any, options: dict[str, bool]
-) -> Any:
-    what = ", ".join(f"{name}=True" for name in options)
-    return checker.call(
-        "loss", lambda: checker.backend.loss(model, tokens, targets, **options), what
-    )
+    return result
 
 
 def _check_parameters(

@@ -155,11 +155,14 @@ class GuardedBackend:
         if not arguments:
             return f"{method}()"
         model = self._configs.get(id(arguments[0]), "a model")
-        rest = ", ".join(
-            f"{['tokens', 'targets'][i] if i < 2 else 'argument'} {_shape_of(a)}"
-            for i, a in enumerate(arguments[1:3])
-        )
-        return f"{method}({model}{', ' + rest if rest else ''})"
+        described = [f"tokens {_shape_of(arguments[1])}"] if len(arguments) > 1 else []
+        if len(arguments) > 2:
+            # forward's third argument is the declared shape of flat IDs; loss's the targets.
+            third = arguments[2]
+            described.append(
+                f"shape={third!r}" if method == "forward" else f"targets {_shape_of(third)}"
+            )
+        return f"{method}({', '.join([model, *described])})"
 
     def _message(self, method: str, arguments: tuple[Any, ...], error: Exception) -> str:
         lines = str(error).strip().splitlines() or ["(no message)"]

@@ -269,12 +269,13 @@ TOKEN_INPUT_TYPES: dict[str, Callable[[np.ndarray[Any, Any]], Any]] = {
 }
 
 
-# The types of TOKEN_INPUT_TYPES the spec accepts (the forward pass's int64 logits).
+# The types of TOKEN_INPUT_TYPES the spec accepts: their IDs give the int64 IDs' answers.
 ACCEPTED_INPUT_TYPES = [
     kind
     for kind, convert in TOKEN_INPUT_TYPES.items()
     if token_violation(FIXTURE.config, convert(np.zeros((1, 1), np.int64))) is None
 ]
+assert ACCEPTED_INPUT_TYPES, "an empty list would drop the loss's type checks as a skip"
 
 
 @pytest.mark.rule("ERR-TOKEN-SHAPE")

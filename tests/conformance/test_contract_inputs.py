@@ -48,12 +48,12 @@ class _ShiftsTheCallersTargets(ReferenceBackend):
     [
         (
             _TransposesTheCallersMatrices(),
-            "build: build wrote into the parameter arrays it was given "
+            "build: wrote into the parameter arrays it was given "
             "(blocks.0.attention.query.weight, blocks.0.attention.key.weight, "
             "blocks.0.attention.value.weight and others): copy them",
         ),
-        (_ClampsTheCallersTokens(), "forward: forward wrote into the token IDs it was given"),
-        (_ShiftsTheCallersTargets(), "loss: loss wrote into the target IDs it was given"),
+        (_ClampsTheCallersTokens(), "forward: wrote into the token IDs it was given"),
+        (_ShiftsTheCallersTargets(), "loss: wrote into the target IDs it was given"),
     ],
 )
 def test_a_backend_writing_into_its_inputs_is_told_so_and_nothing_else(
@@ -69,6 +69,7 @@ class _OneBufferForEveryBlock(ReferenceBackend):
 
     def forward(self, model: Any, tokens: Any, shape: Any = None) -> Any:
         output = super().forward(model, tokens, shape)
+        assert output.stages is not None
         last = [value for name, value in output.stages if name.startswith("block-")][-1]
         stages = [(name, last if name.startswith("block-") else v) for name, v in output.stages]
         return ForwardOutput(output.logits, stages)

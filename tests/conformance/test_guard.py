@@ -72,3 +72,6 @@ def test_the_call_shows_few_ids_and_only_the_shape_of_many() -> None:
         with pytest.raises(AdapterFault) as caught:
             guarded.forward(model, tokens)
         assert str(caught.value).splitlines()[0].endswith(shown), str(caught.value)
+    with pytest.raises(AdapterFault) as caught:
+        guarded.forward(model, [0, 1], (1, 2))  # flat IDs: the third argument is their shape
+    assert str(caught.value).splitlines()[0].endswith("tokens [2] [0, 1], shape=(1, 2))")
