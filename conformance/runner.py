@@ -184,15 +184,22 @@ def _pump(process: subprocess.Popen[str], output: _Output) -> None:
 
 
 def _stop(process: subprocess.Popen[str], first: signal.Signals) -> None:
-    """Signal the run's whole process group, then kill what is left of it."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, first)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
+    """Signal the run's whole process group, then kill what is left of it.
+
+    The signal is sent twice, 5 s apart, before the kill: Python drops an interrupt that
+    lands while a ``__del__`` or a garbage-collection callback runs ("Exception ignored
+    in"), and a run that lost it would go on testing until killed, its summary lost."""
+    for _ in range(2):
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+            os.killpg(process.pid, first)
+        try:
+            process.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def _run_to_the_end(
