@@ -174,7 +174,7 @@ def _left_unchanged(
     what = (
         f"parameter arrays it was given ({listed})"
         if method == "build"
-        else (f"{' and '.join(changed)} it was given")
+        else f"{' and '.join(changed)} it was given"
     )
     checker.flag(method, f"wrote into the {what}: {_COPY_ADVICE[method]}")
 

@@ -106,7 +106,7 @@ class AdapterFault(BaseException):
 _SHOWN_VALUES = 24  # a call's IDs are written out up to this many: enough for drawn cases
 
 
-def _shape_of(value: Any) -> str:
+def _shape_and_ids(value: Any) -> str:
     """``[2, 5]``, followed by the values themselves when there are few (the IDs a backend
     refused or failed on are what its author needs to look at)."""
     try:
@@ -155,12 +155,12 @@ class GuardedBackend:
         if not arguments:
             return f"{method}()"
         model = self._configs.get(id(arguments[0]), "a model")
-        described = [f"tokens {_shape_of(arguments[1])}"] if len(arguments) > 1 else []
+        described = [f"tokens {_shape_and_ids(arguments[1])}"] if len(arguments) > 1 else []
         if len(arguments) > 2:
             # forward's third argument is the declared shape of flat IDs; loss's the targets.
             third = arguments[2]
             described.append(
-                f"shape={third!r}" if method == "forward" else f"targets {_shape_of(third)}"
+                f"shape={third!r}" if method == "forward" else f"targets {_shape_and_ids(third)}"
             )
         return f"{method}({', '.join([model, *described])})"
 
